@@ -1,0 +1,31 @@
+"""Choose Triton's interpreter before Triton is imported when there is no CUDA device.
+
+Triton decides at import time whether its language functions run interpreted, so
+this module runs first, from `coda/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_FLAG = "TRITON_INTERPRET"
+
+
+def _decide() -> bool:
+    if os.environ.get(_FLAG, "0") not in ("", "0"):
+        return True
+    if torch.cuda.is_available():
+        return False
+    if "triton.language" in sys.modules:
+        raise RuntimeError(
+            "coda: no CUDA device, so kernels must run in Triton's interpreter, but Triton was imported "
+            "before coda without TRITON_INTERPRET=1; import coda first or set TRITON_INTERPRET=1"
+        )
+    os.environ[_FLAG] = "1"
+    return True
+
+
+INTERPRET = _decide()

@@ -1,0 +1,248 @@
+"""IR nodes -> Triton statements for the epilogue body, operand loads, stores and partials.
+
+Inside a tile, shapes are: scalar -> scalar, vec_m -> [BLOCK_M, 1], vec_n -> [1, C],
+tile -> [BLOCK_M, C], where C is the value's column count (BLOCK_N times its width).
+Arithmetic is fp32; integer operands and indices stay integers until arithmetic or a
+comparison with a float needs otherwise, so integer comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from ..ir.graph import Graph
+from ..ir.nodes import (
+    BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
+    StoreOutput, UnaryNode, WhereNode,
+)
+from ..ir.types import Kind
+from .spec import FLOAT_DTYPES, OperandForm, Specialization, width_suffix
+
+_UNARY = {
+    "neg": "-({x})",
+    "exp": "tl.exp({x})",
+    "log": "tl.log({x})",
+    "sqrt": "tl.sqrt_rn({x})",
+    "rsqrt": "tl.rsqrt({x})",
+    "sigmoid": "tl.sigmoid({x})",
+    "silu": "{x} * tl.sigmoid({x})",
+    "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
+    "tanh": "2.0 * tl.sigmoid(2.0 * {x}) - 1.0",
+    "relu": "tl.maximum({x}, 0.0)",
+    "sin": "tl.sin({x})",
+    "cos": "tl.cos({x})",
+    "abs": "tl.abs({x})",
+    "square": "{x} * {x}",
+}
+_BINARY = {
+    "add": "{x} + {y}", "sub": "{x} - {y}", "mul": "{x} * {y}", "div": "tl.div_rn({x}, {y})",
+    "maximum": "tl.maximum({x}, {y}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({x}, {y}, propagate_nan=tl.PropagateNan.ALL)",
+    "lt": "{x} < {y}", "le": "{x} <= {y}", "gt": "{x} > {y}", "ge": "{x} >= {y}",
+    "eq": "{x} == {y}", "ne": "{x} != {y}",
+}
+_TL_DTYPE = {
+    "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
+}
+
+
+def cols(width: Fraction) -> str:
+    """Column count of a tile value of this width, as a constexpr expression."""
+    return {Fraction(1, 2): "(BLOCK_N // 2)", Fraction(1): "BLOCK_N", Fraction(2): "(BLOCK_N * 2)"}[width]
+
+
+def col_start(width: Fraction) -> str:
+    return {Fraction(1, 2): "(off_n // 2)", Fraction(1): "off_n", Fraction(2): "(off_n * 2)"}[width]
+
+
+def n_total(width: Fraction) -> str:
+    return {Fraction(1, 2): "(N // 2)", Fraction(1): "N", Fraction(2): "(N * 2)"}[width]
+
+
+def _literal(value: float) -> str:
+    if math.isnan(value):
+        return 'float("nan")'
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else 'float("-inf")'
+    return repr(float(value))
+
+
+class EpilogueEmitter:
+    """Emits the epilogue's code blocks; `widths` collects the column widths it used."""
+
+    def __init__(self, graph: Graph, spec: Specialization) -> None:
+        self.graph = graph
+        self.spec = spec
+        self.forms: dict[str, OperandForm] = {f.name: f for f in spec.operands}
+        self.kinds = {s.name: s for s in graph.operands}
+        self.widths: set[Fraction] = set()
+        self.var: dict[int, str] = {}
+        self.dtype: dict[int, str] = {}  # "f32" | "int" | "bool"
+        self.loads: list[str] = []
+        self.body: list[str] = []
+        self._splits: dict[int, tuple[str, str]] = {}
+
+    # -- helpers ---------------------------------------------------------------------
+    def f32(self, node_id: int) -> str:
+        v = self.var[node_id]
+        return v if self.dtype[node_id] == "f32" else f"{v}.to(tl.float32)"
+
+    def _set(self, node_id: int, expr: str, dtype: str) -> None:
+        name = f"v{node_id}"
+        self.body.append(f"{name} = {expr}")
+        self.var[node_id] = name
+        self.dtype[node_id] = dtype
+
+    def _col_names(self, width: Fraction) -> tuple[str, str]:
+        self.widths.add(width)
+        s = width_suffix(width)
+        return f"cols_{s}", f"mask_{s}"
+
+    # -- operands --------------------------------------------------------------------
+    def _load_operand(self, node: InputNode) -> tuple[str, str]:
+        spec, form = self.kinds[node.name], self.forms[node.name]
+        base = f"in_{node.name}"
+        if spec.kind == Kind.SCALAR and form.dtype is None:
+            return base, "f32"
+        if spec.kind == Kind.SCALAR:
+            expr = f"tl.load({base}_ptr)"
+        elif spec.kind == Kind.VEC_M:
+            expr = f"tl.load({base}_ptr + rows * {base}_s0, mask=mask_m, other=0)[:, None]"
+        elif spec.kind == Kind.VEC_N:
+            c, mk = self._col_names(spec.frac_width)
+            expr = f"tl.load({base}_ptr + {c} * {base}_s0, mask={mk}, other=0)[None, :]"
+        else:
+            c, mk = self._col_names(spec.frac_width)
+            expr = (
+                f"tl.load({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, "
+                f"mask=mask_m[:, None] & {mk}[None, :], other=0)"
+            )
+        if form.dtype in FLOAT_DTYPES:
+            return f"{expr}.to(tl.float32)", "f32"
+        return expr, "bool" if form.dtype == "bool" else "int"
+
+    # -- values ----------------------------------------------------------------------
+    def emit_values(self) -> None:
+        for node in self.graph.nodes:
+            nid = node.id
+            if isinstance(node, InputNode):
+                if node.name == "acc":
+                    self.var[nid], self.dtype[nid] = "acc", "f32"
+                    continue
+                expr, dtype = self._load_operand(node)
+                name = f"v{nid}"
+                self.loads.append(f"{name} = {expr}")
+                self.var[nid], self.dtype[nid] = name, dtype
+            elif isinstance(node, ConstNode):
+                self.var[nid], self.dtype[nid] = _literal(node.value), "f32"
+            elif isinstance(node, IndexNode):
+                if node.axis == "m":
+                    self._set(nid, "offs_m[:, None]", "int")
+                else:
+                    c, _ = self._col_names(node.frac_width)
+                    self._set(nid, f"{c}[None, :]", "int")
+            elif isinstance(node, UnaryNode):
+                self._set(nid, _UNARY[node.fn].format(x=self.f32(node.x)), "f32")
+            elif isinstance(node, BinaryNode):
+                if node.fn in ("lt", "le", "gt", "ge", "eq", "ne"):
+                    x, y = self.var[node.x], self.var[node.y]
+                    self._set(nid, _BINARY[node.fn].format(x=x, y=y), "bool")
+                else:
+                    self._set(nid, _BINARY[node.fn].format(x=self.f32(node.x), y=self.f32(node.y)), "f32")
+            elif isinstance(node, WhereNode):
+                c = self.var[node.cond] if self.dtype[node.cond] == "bool" else f"({self.var[node.cond]} != 0)"
+                self._set(nid, f"tl.where({c}, {self.f32(node.x)}, {self.f32(node.y)})", "f32")
+            elif isinstance(node, PairNode):
+                even, odd = self._split(node.x)
+                self.var[nid], self.dtype[nid] = (even, odd)[node.half], self.dtype[node.x]
+            elif isinstance(node, InterleaveNode):
+                self._set(nid, f"tl.interleave({self.f32(node.x)}, {self.f32(node.y)})", "f32")
+
+    def _split(self, x: int) -> tuple[str, str]:
+        if x not in self._splits:
+            kind, width = self.graph.node(x).kind, self.graph.node(x).frac_width
+            rows = "BLOCK_M" if kind == Kind.TILE else "1"
+            even, odd = f"v{x}_even", f"v{x}_odd"
+            self.body.append(f"{even}, {odd} = tl.split(tl.reshape({self.var[x]}, ({rows}, {cols(width)} // 2, 2)))")
+            self._splits[x] = (even, odd)
+        return self._splits[x]
+
+    # -- sinks -----------------------------------------------------------------------
+    def emit_stores(self) -> list[str]:
+        lines = []
+        stores = dict(self.spec.store_dtypes)
+        for out in self.graph.outputs:
+            if not isinstance(out, StoreOutput):
+                continue
+            width = self.graph.node(out.x).frac_width
+            c, mk = self._col_names(width)
+            value = self.f32(out.x)
+            dtype = stores[out.name]
+            if dtype == "bfloat16" and self.spec.interpret:
+                value = f"_bf16_rne({value})"
+            elif dtype != "float32":
+                value = f"({value}).to({_TL_DTYPE[dtype]})"
+            base = f"out_{out.name}"
+            lines.append(
+                f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
+                f"mask=mask_m[:, None] & {mk}[None, :])"
+            )
+        return lines
+
+    def emit_reductions(self) -> list[str]:
+        lines: list[str] = []
+        for out in self.graph.outputs:
+            if isinstance(out, ReduceOutput):
+                lines += self._reduction(out)
+        return lines
+
+    def _reduction(self, out: ReduceOutput) -> list[str]:
+        width = self.graph.node(out.x).frac_width
+        c, mk = self._col_names(width)
+        x = self.f32(out.x)
+        base, r = f"out_{out.name}", f"red_{out.name}"
+        if out.axis == "m":
+            return [
+                f"{r} = tl.sum(tl.where(mask_m[:, None], {x}, 0.0), axis=0)",
+                f"tl.store({base}_ptr + pid_m.to(tl.int64) * {n_total(width)} + {c}, {r}, mask={mk})",
+            ]
+        identity = "0.0" if out.op == "sum" else 'float("-inf")'
+        lines = [f"{r} = tl.where({mk}[None, :], {x}, {identity})"]
+        axis = 1
+        if out.group is not None:
+            lines.append(f"{r} = tl.reshape({r}, (BLOCK_M, {cols(width)} // {out.group}, {out.group}))")
+            axis = 2
+        if out.op == "sum":
+            lines.append(f"{r} = tl.sum({r}, axis={axis})")
+        elif out.op == "max":
+            lines.append(f"{r} = tl.max({r}, axis={axis})")
+        else:
+            lines += [
+                f"{r}_max = tl.max({r}, axis={axis})",
+                f'{r}_max = tl.where({r}_max == float("-inf"), 0.0, {r}_max)',
+                f"{r} = {r}_max + tl.log(tl.sum(tl.exp({r} - tl.expand_dims({r}_max, {axis})), axis={axis}))",
+            ]
+        if out.group is None:
+            lines.append(f"tl.store({base}_ptr + rows * num_pid_n + pid_n, {r}, mask=mask_m)")
+        else:
+            g = out.group
+            lines += [
+                f"{r}_cols = {col_start(width)} // {g} + tl.arange(0, {cols(width)} // {g})",
+                f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {r}_cols[None, :] * {base}_s1, {r}, "
+                f"mask=mask_m[:, None] & ({r}_cols[None, :] < {n_total(width)} // {g}))",
+            ]
+        return lines
+
+    def emit_columns(self) -> list[str]:
+        lines = []
+        for width in sorted(self.widths):
+            c, mk = (f"cols_{width_suffix(width)}", f"mask_{width_suffix(width)}")
+            if width == 1:
+                lines += [f"{c} = offs_n", f"{mk} = mask_n"]
+            else:
+                lines += [
+                    f"{c} = {col_start(width)} + tl.arange(0, {cols(width)})",
+                    f"{mk} = {c} < {n_total(width)}",
+                ]
+        return lines

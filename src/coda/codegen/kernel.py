@@ -1,0 +1,62 @@
+"""Assemble a kernel: fill the persistent GEMM template's hooks for (graph, specialization)."""
+
+from __future__ import annotations
+
+from ..ir.graph import Graph
+from ..templates import fill
+from .epilogue import EpilogueEmitter
+from .spec import Specialization, operand_args, output_args
+
+_A_LOADS = {
+    "tma_row": ["a = a_src.load([off_m, off_k])"],
+    "tma_col": ["a = a_src.load([off_k, off_m]).T"],
+    "ptr": [
+        "offs_k = off_k + tl.arange(0, BLOCK_K)",
+        "a = tl.load(a_src + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,",
+        "            mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)",
+    ],
+}
+_B_LOADS = {
+    "tma_row": ["b = b_src.load([off_k, off_n])"],
+    "tma_col": ["b = b_src.load([off_n, off_k]).T"],
+    "ptr": [
+        "offs_kb = off_k + tl.arange(0, BLOCK_K)",
+        "b = tl.load(b_src + offs_kb[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,",
+        "            mask=(offs_kb[:, None] < K) & mask_n[None, :], other=0.0)",
+    ],
+}
+
+
+def generate(graph: Graph, spec: Specialization) -> str:
+    """Triton source of a kernel `coda_kernel` computing graph(a @ b) for this specialization."""
+    emitter = EpilogueEmitter(graph, spec)
+    emitter.emit_values()
+    stores = emitter.emit_stores()
+    reductions = emitter.emit_reductions()
+    columns = emitter.emit_columns()  # last: loads, stores and reductions declare the widths they use
+
+    forms = {f.name: f for f in spec.operands}
+    args = [name for s in graph.operands for name in operand_args(s, forms[s.name])]
+    args += [name for out in graph.outputs for name in output_args(out)]
+
+    load_a = list(_A_LOADS[spec.a_load])
+    load_b = list(_B_LOADS[spec.b_load])
+    if spec.interpret and spec.in_dtype != "float32":
+        # The interpreter's tl.dot computes on bf16/fp16 bit patterns; fp32 is exact there.
+        load_a.append("a = a.to(tl.float32)")
+        load_b.append("b = b.to(tl.float32)")
+    dot_options = ', input_precision="ieee"' if spec.in_dtype == "float32" else ""
+
+    return fill({
+        "epilogue_name": graph.name,
+        "graph_hash": graph.hash,
+        "args": "\n".join(f"{a}," for a in args),
+        "load_a": "\n".join(load_a),
+        "load_b": "\n".join(load_b),
+        "dot_options": dot_options,
+        "columns": "\n".join(columns),
+        "operand_loads": "\n".join(emitter.loads),
+        "body": "\n".join(emitter.body),
+        "stores": "\n".join(stores),
+        "reductions": "\n".join(reductions),
+    })

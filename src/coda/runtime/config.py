@@ -1,0 +1,63 @@
+"""Tile configurations and the default choice for a call (the autotuner refines these)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..ir.graph import Graph
+from ..ir.nodes import ReduceOutput
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and not x & (x - 1)
+
+
+class Config(BaseModel):
+    """One kernel launch configuration (block sizes must be powers of two)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    block_m: int = Field(ge=16)
+    block_n: int = Field(ge=16)
+    block_k: int = Field(ge=16)
+    group_m: int = Field(default=8, ge=1)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def model_post_init(self, _context: object) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"Config.{name} must be a power of two, got {getattr(self, name)}")
+
+
+def min_block_n(graph: Graph) -> int:
+    """The smallest BLOCK_N whose tiles hold whole groups of every grouped reduction."""
+    need = 16
+    for out in graph.outputs:
+        if isinstance(out, ReduceOutput) and out.group is not None:
+            width = graph.node(out.x).frac_width
+            need = max(need, int(Fraction(out.group) / width))
+    return need
+
+
+def check_config(graph: Graph, config: Config) -> None:
+    """Raise if a config cannot run this graph (grouped reductions need whole groups per tile)."""
+    need = min_block_n(graph)
+    if config.block_n < need:
+        raise ValueError(f"Config.block_n={config.block_n} is too small: grouped reductions need block_n >= {need}")
+
+
+def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int) -> Config:
+    """A reasonable config without tuning."""
+    if interpret:
+        block = 16 if max(m, n) <= 64 else 32
+        cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
+    elif in_dtype == "float32":
+        cfg = Config(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    else:
+        cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    need = min_block_n(graph)
+    if cfg.block_n < need:
+        cfg = cfg.model_copy(update={"block_n": need})
+    return cfg

@@ -1,0 +1,170 @@
+"""gemm(): validate, specialize, fetch the kernel, launch, finalize reductions."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..codegen import Specialization, generate, operand_args, output_args
+from ..ir.graph import Graph
+from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.trace import trace
+from ..ir.types import Kind
+from .cache import load_kernel
+from .config import Config, check_config, default_config
+from .device import interpreting, num_programs
+from .validate import IN_DTYPES, Call, validate
+
+
+def _identity(acc):
+    return acc
+
+
+PLAIN = trace(_identity)
+
+
+def _tma_ok(t: torch.Tensor, major: int) -> bool:
+    """TMA needs a unit stride on the `major`-th dim, a 16-byte aligned base and other stride."""
+    other = 1 - major
+    size = t.element_size()
+    return (
+        t.stride(major) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(other) * size) % 16 == 0
+        and t.shape[major] * size >= 16
+    )
+
+
+def operand_load(t: torch.Tensor) -> str:
+    """How the template reads a [rows, cols] GEMM operand: TMA row/col-major or pointers."""
+    if _tma_ok(t, 1):
+        return "tma_row"
+    if _tma_ok(t, 0):
+        return "tma_col"
+    return "ptr"
+
+
+def specialize(call: Call, interpret: bool) -> Specialization:
+    stores = []
+    for o in call.graph.outputs:
+        if isinstance(o, StoreOutput):
+            dtype = call.out[o.name].dtype if o.name in call.out else call.a.dtype
+            stores.append((o.name, IN_DTYPES[dtype]))
+    return Specialization(
+        in_dtype=call.in_dtype,
+        a_load=operand_load(call.a),
+        b_load=operand_load(call.b),
+        operands=call.forms,
+        store_dtypes=tuple(stores),
+        interpret=interpret,
+    )
+
+
+def _descriptor(t: torch.Tensor, mode: str, rows: int, cols: int) -> object:
+    if mode == "tma_row":
+        return TensorDescriptor.from_tensor(t, [rows, cols])
+    if mode == "tma_col":
+        return TensorDescriptor.from_tensor(t.T, [cols, rows])
+    return t
+
+
+def run(
+    graph: Graph, a: object, b: object, operands: Mapping[str, object], *,
+    out: object = None, config: Config | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Compute graph(a @ b); `config` overrides the default tile configuration."""
+    interpret = interpreting()
+    call = validate(graph, a, b, operands, out, interpret)
+    spec = specialize(call, interpret)
+    kernel = load_kernel(graph, spec)
+    cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k)
+    check_config(graph, cfg)
+
+    m, n, k = call.m, call.n, call.k
+    tiles_m = -(-m // cfg.block_m)
+    tiles_n = -(-n // cfg.block_n)
+    device = call.a.device
+    args: dict[str, object] = {
+        "a_src": _descriptor(call.a, spec.a_load, cfg.block_m, cfg.block_k),
+        "b_src": _descriptor(call.b, spec.b_load, cfg.block_k, cfg.block_n),
+        "M": m, "N": n, "K": k,
+        "stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
+        "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),
+    }
+    forms = {f.name: f for f in spec.operands}
+    for s in graph.operands:
+        names = operand_args(s, forms[s.name])
+        value = call.operands[s.name]
+        if s.kind == Kind.SCALAR:
+            args[names[0]] = value
+        elif s.kind == Kind.TILE:
+            args.update(zip(names, (value, value.stride(0), value.stride(1))))
+        else:
+            args.update(zip(names, (value, value.stride(0))))
+
+    results: dict[str, torch.Tensor] = {}
+    finalize: list[tuple[ReduceOutput, torch.Tensor]] = []
+    for o in graph.outputs:
+        names = output_args(o)
+        shape = call.output_shape(o)
+        target = call.out.get(o.name)
+        if isinstance(o, StoreOutput):
+            t = target if target is not None else torch.empty(shape, dtype=call.a.dtype, device=device)
+            args.update(zip(names, (t, t.stride(0), t.stride(1))))
+            results[o.name] = t
+        elif o.group is not None:
+            t = target if target is not None else torch.empty(shape, dtype=torch.float32, device=device)
+            args.update(zip(names, (t, t.stride(0), t.stride(1))))
+            results[o.name] = t
+        else:
+            parts = (m, tiles_n) if o.axis == "n" else (tiles_m, shape[0])
+            partial = torch.empty(parts, dtype=torch.float32, device=device)
+            args[names[0]] = partial
+            finalize.append((o, partial))
+            results[o.name] = target if target is not None else torch.empty(shape, dtype=torch.float32, device=device)
+
+    grid = (min(num_programs(device), tiles_m * tiles_n),)
+    kernel[grid](
+        **args,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_SMS=grid[0],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    for o, partial in finalize:
+        dst = results[o.name]
+        if o.axis == "m":
+            torch.sum(partial, dim=0, out=dst)
+        elif o.op == "sum":
+            torch.sum(partial, dim=1, out=dst)
+        elif o.op == "max":
+            torch.amax(partial, dim=1, out=dst)
+        else:
+            torch.logsumexp(partial, dim=1, out=dst)
+    if graph.single:
+        return results[graph.outputs[0].name]
+    return results
+
+
+def gemm(a: object, b: object, epilogue: object = None, *, out: object = None, **operands: object):
+    """epilogue(a @ b) in one persistent GEMM kernel. See coda's README for the contract."""
+    return run(graph_of(epilogue), a, b, operands, out=out)
+
+
+def graph_of(epilogue: object) -> Graph:
+    if epilogue is None:
+        return PLAIN
+    graph = getattr(epilogue, "graph", None)
+    if not isinstance(graph, Graph):
+        raise TypeError(
+            f"coda.gemm: epilogue must be a @coda.epilogue function or None, got {type(epilogue).__name__}"
+        )
+    return graph
+
+
+def source(graph: Graph, a: object, b: object, operands: Mapping[str, object], out: object = None) -> str:
+    """The Triton source gemm() would run for these inputs."""
+    interpret = interpreting()
+    call = validate(graph, a, b, operands, out, interpret)
+    return generate(graph, specialize(call, interpret))

@@ -15,8 +15,11 @@ _FLAG = "TRITON_INTERPRET"
 
 
 def _decide() -> bool:
-    if os.environ.get(_FLAG, "0") not in ("", "0"):
-        return True
+    flag = os.environ.get(_FLAG)
+    if flag is not None:
+        # An explicit setting wins: TRITON_INTERPRET=0 on a CPU-only machine is for
+        # ahead-of-time compilation (coda.runtime.aot), where nothing is launched.
+        return flag not in ("", "0")
     if torch.cuda.is_available():
         return False
     if "triton.language" in sys.modules:

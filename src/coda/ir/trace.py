@@ -33,12 +33,12 @@ class Tracer:
         key = (cls.__name__, tuple(sorted(fields.items())))
         if key in self._seen:
             return Value(self, self._seen[key])
-        probe = cls.model_construct(id=len(self.nodes), kind=Kind.SCALAR, **fields)
+        probe = cls.model_construct(id=len(self.nodes), kind=Kind.SCALAR, **{"width": "1", **fields})
         if cls in (InputNode, ConstNode, IndexNode):
             kind, width = _leaf_type(probe, self.operands)
         else:
             kind, width = infer(probe, self.types)
-        node = cls(id=len(self.nodes), kind=kind, width=width_str(width), **fields)
+        node = cls(id=len(self.nodes), kind=kind, **{**fields, "width": width_str(width)})
         self.nodes.append(node)
         self.types[node.id] = (kind, width)
         self._seen[key] = node.id

@@ -1,0 +1,109 @@
+"""Ahead-of-time compilation for Hopper (sm_90) on any machine, GPU or not.
+
+Used by tests to prove generated kernels compile with wgmma and fit in shared memory.
+Run in a process started with TRITON_INTERPRET=0 (on a CPU-only machine coda would
+otherwise choose the interpreter, whose kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..codegen import OperandForm, Specialization, generate, operand_args, output_args
+from ..ir.graph import Graph
+from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.types import Kind
+from .cache import _import, atomic_write, cache_dir, kernel_key
+from .config import Config, check_config
+
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
+          "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1"}
+HOPPER_SMEM_BYTES = 232448  # per-block opt-in limit on sm_90
+
+
+@dataclass
+class AotResult:
+    ptx: str
+    shared: int
+    num_warps: int
+    registers: int | None
+    spills: int | None
+
+    @property
+    def uses_wgmma(self) -> bool:
+        return "wgmma.mma_async" in self.ptx
+
+
+def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[str, str], dict[str, object]]:
+    t = _SHORT[spec.in_dtype]
+    sig: dict[str, str] = {}
+    for name, mode, block in (("a_src", spec.a_load, (cfg.block_m, cfg.block_k)), ("b_src", spec.b_load, (cfg.block_k, cfg.block_n))):
+        if mode == "ptr":
+            sig[name] = f"*{t}"
+        else:
+            shape = block if mode == "tma_row" else block[::-1]
+            sig[name] = f"tensordesc<{t}[{shape[0]}, {shape[1]}]>"
+    for name in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"):
+        sig[name] = "i32"
+    forms = {f.name: f for f in spec.operands}
+    for s in graph.operands:
+        form = forms[s.name]
+        names = operand_args(s, form)
+        if s.kind == Kind.SCALAR and form.dtype is None:
+            sig[names[0]] = "fp32"
+            continue
+        sig[names[0]] = f"*{_SHORT[form.dtype]}"
+        for n in names[1:]:
+            sig[n] = "i32"
+    stores = dict(spec.store_dtypes)
+    for o in graph.outputs:
+        names = output_args(o)
+        sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
+        for n in names[1:]:
+            sig[n] = "i32"
+    constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "GROUP_M": cfg.group_m, "NUM_SMS": 132}
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, constexprs
+
+
+def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult:
+    """Compile the kernel for (graph, spec, cfg) to sm_90 PTX/cubin without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_hopper needs a process started with TRITON_INTERPRET=0")
+    if spec.interpret:
+        raise ValueError("compile_hopper needs a specialization with interpret=False")
+    check_config(graph, cfg)
+    key = kernel_key(graph, spec)
+    path = cache_dir() / "kernels" / f"coda_{key}.py"
+    atomic_write(path, generate(graph, spec))
+    module = _import(path, f"coda_aot_{key}")
+    sig, constexprs = _signature(graph, spec, cfg)
+    src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    meta = compiled.metadata
+    return AotResult(ptx=compiled.asm["ptx"], shared=meta.shared, num_warps=meta.num_warps,
+                     registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None))
+
+
+def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
+                operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None) -> Specialization:
+    """A GPU specialization for AOT tests: operands default to fp32 tensors (Python numbers for Scalars)."""
+    operand_dtypes = operand_dtypes or {}
+    forms = tuple(
+        OperandForm(name=s.name, dtype=operand_dtypes.get(s.name, None if s.kind == Kind.SCALAR else "float32"))
+        for s in graph.operands
+    )
+    stores = tuple((o.name, store_dtype or in_dtype) for o in graph.outputs if isinstance(o, StoreOutput))
+    return Specialization(in_dtype=in_dtype, a_load=a_load, b_load=b_load, operands=forms,
+                          store_dtypes=stores, interpret=False)
+
+
+__all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES", "ReduceOutput"]

@@ -69,10 +69,6 @@ def _import(path: Path, name: str) -> ModuleType:
 def load_kernel(graph: Graph, spec: Specialization):
     """The compiled-on-first-launch Triton kernel for (graph, spec)."""
     key = kernel_key(graph, spec)
-    module = _modules.get(key)
-    if module is not None:
-        stats["memory_hits"] += 1
-        return module.coda_kernel
     with _lock:
         module = _modules.get(key)
         if module is None:

@@ -7,12 +7,12 @@ from typing import Mapping
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..codegen import Specialization, generate, operand_args, output_args
+from ..codegen import OperandForm, Specialization, generate, operand_args, output_args
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.trace import trace
 from ..ir.types import Kind
-from .cache import load_kernel
+from .cache import load_kernel, stats
 from .config import Config, check_config, default_config
 from .device import interpreting, num_programs
 from .validate import IN_DTYPES, Call, validate
@@ -46,20 +46,43 @@ def operand_load(t: torch.Tensor) -> str:
     return "ptr"
 
 
-def specialize(call: Call, interpret: bool) -> Specialization:
+def _spec_fields(call: Call, interpret: bool) -> tuple:
     stores = []
     for o in call.graph.outputs:
         if isinstance(o, StoreOutput):
             dtype = call.out[o.name].dtype if o.name in call.out else call.a.dtype
             stores.append((o.name, IN_DTYPES[dtype]))
+    forms = tuple((f.name, f.dtype) for f in call.forms)
+    return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret)
+
+
+def _make_spec(fields: tuple) -> Specialization:
+    in_dtype, a_load, b_load, forms, stores, interpret = fields
     return Specialization(
-        in_dtype=call.in_dtype,
-        a_load=operand_load(call.a),
-        b_load=operand_load(call.b),
-        operands=call.forms,
-        store_dtypes=tuple(stores),
-        interpret=interpret,
+        in_dtype=in_dtype, a_load=a_load, b_load=b_load,
+        operands=tuple(OperandForm(name=n, dtype=d) for n, d in forms),
+        store_dtypes=stores, interpret=interpret,
     )
+
+
+def specialize(call: Call, interpret: bool) -> Specialization:
+    return _make_spec(_spec_fields(call, interpret))
+
+
+# (graph hash, specialization fields) -> (spec, kernel): the per-call lookup stays a
+# tuple hash, so launch overhead does not grow with pydantic validation or hashing.
+_kernels: dict[tuple, tuple[Specialization, object]] = {}
+
+
+def _kernel_for(call: Call, interpret: bool) -> tuple[Specialization, object]:
+    key = (call.graph.hash, _spec_fields(call, interpret))
+    hit = _kernels.get(key)
+    if hit is not None:
+        stats["memory_hits"] += 1
+        return hit
+    spec = _make_spec(key[1])
+    hit = _kernels[key] = (spec, load_kernel(call.graph, spec))
+    return hit
 
 
 def _descriptor(t: torch.Tensor, mode: str, rows: int, cols: int) -> object:
@@ -77,8 +100,7 @@ def run(
     """Compute graph(a @ b); `config` overrides the default tile configuration."""
     interpret = interpreting()
     call = validate(graph, a, b, operands, out, interpret)
-    spec = specialize(call, interpret)
-    kernel = load_kernel(graph, spec)
+    spec, kernel = _kernel_for(call, interpret)
     cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k)
     check_config(graph, cfg)
 

@@ -184,6 +184,10 @@ class EpilogueEmitter:
             elif dtype != "float32":
                 value = f"({value}).to({_TL_DTYPE[dtype]})"
             base = f"out_{out.name}"
+            if out.name in self.spec.tma_stores:
+                # The descriptor clips the ragged edges; no mask needed.
+                lines.append(f"{base}_ptr.store([off_m, {col_start(width)}], {value})")
+                continue
             lines.append(
                 f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
                 f"mask=mask_m[:, None] & {mk}[None, :])"

@@ -8,21 +8,23 @@ from .epilogue import EpilogueEmitter
 from .spec import Specialization, operand_args, output_args
 
 _A_LOADS = {
-    "tma_row": ["a = a_src.load([off_m, off_k])"],
-    "tma_col": ["a = a_src.load([off_k, off_m]).T"],
+    "tma_row": ["a = a_src.load([off_am, off_k])"],
+    "tma_col": ["a = a_src.load([off_k, off_am]).T"],
     "ptr": [
+        "offs_am = off_am + tl.arange(0, BLOCK_M)",
         "offs_k = off_k + tl.arange(0, BLOCK_K)",
-        "a = tl.load(a_src + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,",
-        "            mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)",
+        "a = tl.load(a_src + offs_am.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,",
+        "            mask=(offs_am[:, None] < M) & (offs_k[None, :] < K), other=0.0)",
     ],
 }
 _B_LOADS = {
-    "tma_row": ["b = b_src.load([off_k, off_n])"],
-    "tma_col": ["b = b_src.load([off_n, off_k]).T"],
+    "tma_row": ["b = b_src.load([off_k, off_bn])"],
+    "tma_col": ["b = b_src.load([off_bn, off_k]).T"],
     "ptr": [
+        "offs_bn = off_bn + tl.arange(0, BLOCK_N)",
         "offs_kb = off_k + tl.arange(0, BLOCK_K)",
-        "b = tl.load(b_src + offs_kb[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,",
-        "            mask=(offs_kb[:, None] < K) & mask_n[None, :], other=0.0)",
+        "b = tl.load(b_src + offs_kb[:, None] * stride_bk + offs_bn.to(tl.int64)[None, :] * stride_bn,",
+        "            mask=(offs_kb[:, None] < K) & (offs_bn[None, :] < N), other=0.0)",
     ],
 }
 

@@ -38,6 +38,7 @@ class Specialization(BaseModel):
     operands: tuple[OperandForm, ...]
     store_dtypes: tuple[tuple[str, Literal["float16", "bfloat16", "float32"]], ...]
     interpret: bool
+    tma_stores: tuple[str, ...] = ()  # tile outputs written through TMA descriptors
 
     def key(self) -> str:
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -59,11 +59,15 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
     stores = dict(spec.store_dtypes)
     for o in graph.outputs:
         names = output_args(o)
-        sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
+        if isinstance(o, StoreOutput) and o.name in spec.tma_stores:
+            cols = int(cfg.block_n * graph.node(o.x).frac_width)
+            sig[names[0]] = f"tensordesc<{_SHORT[stores[o.name]]}[{cfg.block_m}, {cols}]>"
+        else:
+            sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
         for n in names[1:]:
             sig[n] = "i32"
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                  "GROUP_M": cfg.group_m, "NUM_SMS": 132}
+                  "GROUP_M": cfg.group_m, "NUM_SMS": 132, "FLATTEN": cfg.flatten}
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
@@ -94,7 +98,8 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
 
 
 def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
-                operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None) -> Specialization:
+                operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None,
+                tma_stores: bool = False) -> Specialization:
     """A GPU specialization for AOT tests: operands default to fp32 tensors (Python numbers for Scalars)."""
     operand_dtypes = operand_dtypes or {}
     forms = tuple(
@@ -103,7 +108,8 @@ def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_
     )
     stores = tuple((o.name, store_dtype or in_dtype) for o in graph.outputs if isinstance(o, StoreOutput))
     return Specialization(in_dtype=in_dtype, a_load=a_load, b_load=b_load, operands=forms,
-                          store_dtypes=stores, interpret=False)
+                          store_dtypes=stores, interpret=False,
+                          tma_stores=tuple(name for name, _ in stores) if tma_stores else ())
 
 
 __all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES", "ReduceOutput"]

@@ -24,6 +24,8 @@ class Config(BaseModel):
     group_m: int = Field(default=8, ge=1)
     num_warps: int = 4
     num_stages: int = 3
+    flatten: bool = False  # tl.range(flatten=True): pipeline across the tile loop too
+    tma_store: bool = False  # store tile outputs through TMA descriptors where legal
 
     def model_post_init(self, _context: object) -> None:
         for name in ("block_m", "block_n", "block_k"):

@@ -46,27 +46,40 @@ def operand_load(t: torch.Tensor) -> str:
     return "ptr"
 
 
-def _spec_fields(call: Call, interpret: bool) -> tuple:
-    stores = []
+def _tma_store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
+    """A TMA store needs an aligned row-major target and a box of at most 256 per dim."""
+    cols = cfg.block_n * call.graph.node(o.x).frac_width
+    if cols > 256 or cfg.block_m > 256:
+        return False
+    t = call.out.get(o.name)
+    if t is None:  # gemm() allocates it row-major; only the row pitch can break alignment
+        row_bytes = call.output_shape(o)[1] * call.out_dtype(o).itemsize
+        return row_bytes % 16 == 0
+    return _tma_ok(t, 1)
+
+
+def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:
+    stores, tma = [], []
     for o in call.graph.outputs:
         if isinstance(o, StoreOutput):
-            dtype = call.out[o.name].dtype if o.name in call.out else call.a.dtype
-            stores.append((o.name, IN_DTYPES[dtype]))
+            stores.append((o.name, IN_DTYPES[call.out_dtype(o)]))
+            if cfg is not None and cfg.tma_store and _tma_store_ok(call, o, cfg):
+                tma.append(o.name)
     forms = tuple((f.name, f.dtype) for f in call.forms)
-    return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret)
+    return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret, tuple(tma))
 
 
 def _make_spec(fields: tuple) -> Specialization:
-    in_dtype, a_load, b_load, forms, stores, interpret = fields
+    in_dtype, a_load, b_load, forms, stores, interpret, tma = fields
     return Specialization(
         in_dtype=in_dtype, a_load=a_load, b_load=b_load,
         operands=tuple(OperandForm(name=n, dtype=d) for n, d in forms),
-        store_dtypes=stores, interpret=interpret,
+        store_dtypes=stores, interpret=interpret, tma_stores=tma,
     )
 
 
-def specialize(call: Call, interpret: bool) -> Specialization:
-    return _make_spec(_spec_fields(call, interpret))
+def specialize(call: Call, interpret: bool, cfg: Config | None = None) -> Specialization:
+    return _make_spec(_spec_fields(call, interpret, cfg))
 
 
 # (graph hash, specialization fields) -> (spec, kernel): the per-call lookup stays a
@@ -74,8 +87,8 @@ def specialize(call: Call, interpret: bool) -> Specialization:
 _kernels: dict[tuple, tuple[Specialization, object]] = {}
 
 
-def _kernel_for(call: Call, interpret: bool) -> tuple[Specialization, object]:
-    key = (call.graph.hash, _spec_fields(call, interpret))
+def _kernel_for(call: Call, interpret: bool, cfg: Config) -> tuple[Specialization, object]:
+    key = (call.graph.hash, _spec_fields(call, interpret, cfg))
     hit = _kernels.get(key)
     if hit is not None:
         stats["memory_hits"] += 1
@@ -100,9 +113,9 @@ def run(
     """Compute graph(a @ b); `config` overrides the default tile configuration."""
     interpret = interpreting()
     call = validate(graph, a, b, operands, out, interpret)
-    spec, kernel = _kernel_for(call, interpret)
     cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k)
     check_config(graph, cfg)
+    spec, kernel = _kernel_for(call, interpret, cfg)
 
     m, n, k = call.m, call.n, call.k
     tiles_m = -(-m // cfg.block_m)
@@ -134,7 +147,10 @@ def run(
         target = call.out.get(o.name)
         if isinstance(o, StoreOutput):
             t = target if target is not None else torch.empty(shape, dtype=call.a.dtype, device=device)
-            args.update(zip(names, (t, t.stride(0), t.stride(1))))
+            dst = t
+            if o.name in spec.tma_stores:
+                dst = TensorDescriptor.from_tensor(t, [cfg.block_m, int(cfg.block_n * graph.node(o.x).frac_width)])
+            args.update(zip(names, (dst, t.stride(0), t.stride(1))))
             results[o.name] = t
         elif o.group is not None:
             t = target if target is not None else torch.empty(shape, dtype=torch.float32, device=device)
@@ -151,7 +167,7 @@ def run(
     kernel[grid](
         **args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, NUM_SMS=grid[0],
+        GROUP_M=cfg.group_m, NUM_SMS=grid[0], FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     for o, partial in finalize:
@@ -189,4 +205,5 @@ def source(graph: Graph, a: object, b: object, operands: Mapping[str, object], o
     """The Triton source gemm() would run for these inputs."""
     interpret = interpreting()
     call = validate(graph, a, b, operands, out, interpret)
-    return generate(graph, specialize(call, interpret))
+    cfg = default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k)
+    return generate(graph, specialize(call, interpret, cfg))

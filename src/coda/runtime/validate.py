@@ -41,6 +41,11 @@ class Call:
     def in_dtype(self) -> str:
         return IN_DTYPES[self.a.dtype]
 
+    def out_dtype(self, out: StoreOutput) -> torch.dtype:
+        """A tile output's dtype: its out= tensor's, else a's."""
+        t = self.out.get(out.name)
+        return t.dtype if t is not None else self.a.dtype
+
     def output_shape(self, out: StoreOutput | ReduceOutput) -> tuple[int, ...]:
         cols = int(self.n * self.graph.node(out.x).frac_width)
         if isinstance(out, StoreOutput):

@@ -103,7 +103,7 @@ def test_unary(name: str) -> None:
 
 
 def test_unary_on_small_values() -> None:
-    """tanh/gelu near 0 (where tanh's relative accuracy matters) and saturated sigmoid."""
+    """tanh/gelu of small arguments and a saturated sigmoid (|4 acc| up to ~80)."""
     @coda.epilogue
     def small(acc):
         x = acc * 1e-3
@@ -162,6 +162,23 @@ def test_arithmetic_between_values(name: str) -> None:
     a, b = inputs()
     t = randn(M, N)
     check(ep, a, b, expr(acc_of(a, b), t), config=CFG, t=t)
+
+
+def test_signed_zero_constants_are_distinct() -> None:
+    """0.0 and -0.0 are different constants: 1 / (|acc| * -0.0) is -inf."""
+    @coda.epilogue
+    def ep(acc):
+        return {"pos": 1.0 / (abs(acc) * 0.0), "neg": 1.0 / (abs(acc) * -0.0)}
+
+    a, b = inputs()
+    acc = acc_of(a, b)
+    out = check(ep, a, b, {"pos": 1.0 / (acc.abs() * 0.0), "neg": 1.0 / (acc.abs() * -0.0)})
+    assert (out["neg"] == float("-inf")).all()
+
+
+def test_single_entry_dict_is_a_dict() -> None:
+    out = check(coda.epilogue(lambda acc: {"y": acc * 2.0}), *inputs())
+    assert list(out) == ["y"]
 
 
 # -- comparisons, where, maximum/minimum ----------------------------------------------
@@ -309,6 +326,32 @@ def test_tile_double_width() -> None:
     }, config=CFG, h=h)
 
 
+def test_pairs_of_vec_n_operand() -> None:
+    @coda.epilogue
+    def ep(acc, c: coda.VecN):
+        even, odd = coda.pairs(c)
+        return acc + coda.interleave(odd, even)
+
+    a, b = inputs()
+    c = randn(N)
+    check(ep, a, b, acc_of(a, b) + c.reshape(N // 2, 2).flip(-1).reshape(N), config=CFG, c=c)
+
+
+def test_bool_and_small_integer_operands() -> None:
+    @coda.epilogue
+    def ep(acc, keep: coda.Tile, flag: coda.VecN, shift: coda.VecM):
+        return {"keep": coda.where(keep, acc, 0.0), "flag": acc * flag, "shift": acc + shift}
+
+    a, b = inputs()
+    keep = torch.rand(M, N, device=DEVICE) < 0.5
+    flag = torch.randint(0, 3, (N,), device=DEVICE, dtype=torch.uint8)
+    shift = torch.randint(-5, 5, (M,), device=DEVICE, dtype=torch.int8)
+    acc = acc_of(a, b)
+    check(ep, a, b, {
+        "keep": torch.where(keep, acc, 0.0), "flag": acc * flag.float(), "shift": acc + shift[:, None].float(),
+    }, config=CFG, keep=keep, flag=flag, shift=shift)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_integer_targets_pick_logit(dtype: torch.dtype) -> None:
     """reduce_n(where(col_index() == target, acc, 0), "sum") picks acc[i, target[i]] exactly."""
@@ -400,6 +443,58 @@ def test_reduce_n_logsumexp_large_values() -> None:
     assert torch.isfinite(out).all()
 
 
+def test_reduce_n_masked_with_minus_inf() -> None:
+    """Columns set to -inf (as cross-entropy masking does): tiles and groups that are all
+    -inf give -inf for max/logsumexp, not NaN."""
+    @coda.epilogue
+    def ep(acc):
+        x = coda.where(coda.col_index() < 5, acc, float("-inf"))
+        return {"max": coda.reduce_n(x, "max"), "lse": coda.reduce_n(x, "logsumexp"), "group": coda.reduce_n(x, "logsumexp", group=4)}
+
+    n = 24
+    a, b = inputs(n=n)
+    acc = acc_of(a, b)
+    group = torch.full((M, n // 4), float("-inf"), device=DEVICE)
+    group[:, 0] = torch.logsumexp(acc[:, :4], dim=1)
+    group[:, 1] = acc[:, 4]
+    check(ep, a, b, {"max": acc[:, :5].amax(1), "lse": torch.logsumexp(acc[:, :5], dim=1), "group": group}, config=CFG)
+
+
+def nan_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, b, t, maximum(a @ b, t)) with two NaN elements in t, one of them in the ragged last tile."""
+    a, b = inputs()
+    t = randn(M, N)
+    t[3, 4] = t[5, 17] = float("nan")
+    return a, b, t, torch.maximum(acc_of(a, b), t)
+
+
+def test_nan_propagates_through_elementwise_and_sums() -> None:
+    """NaN in, NaN out where torch gives NaN (the oracle's semantics)."""
+    @coda.epilogue
+    def ep(acc, t: coda.Tile):
+        x = coda.maximum(acc, t)
+        return {
+            "max": x, "min": coda.minimum(t, acc), "sum": coda.reduce_n(x, "sum"),
+            "lse": coda.reduce_n(x, "logsumexp"), "cols": coda.reduce_m(x),
+        }
+
+    a, b, t, x = nan_inputs()
+    check(ep, a, b, {
+        "max": x, "min": torch.minimum(t, acc_of(a, b)), "sum": x.sum(1), "lse": torch.logsumexp(x, 1), "cols": x.sum(0),
+    }, config=CFG, t=t)
+
+
+def test_nan_propagates_through_reduce_max() -> None:
+    """reduce_n(x, "max") of a row holding a NaN is NaN, as torch.amax (and the oracle) give."""
+    @coda.epilogue
+    def ep(acc, t: coda.Tile):
+        x = coda.maximum(acc, t)
+        return {"rmax": coda.reduce_n(x, "max"), "gmax": coda.reduce_n(x, "max", group=2)}
+
+    a, b, t, x = nan_inputs()
+    check(ep, a, b, {"rmax": x.amax(1), "gmax": x.reshape(M, N // 2, 2).amax(-1)}, config=CFG, t=t)
+
+
 def test_reduce_n_of_half_width_value() -> None:
     @coda.epilogue
     def ep(acc):
@@ -433,6 +528,16 @@ def test_reduce_m_sum_ragged() -> None:
     c = randn(N)
     acc = acc_of(a, b)
     check(ep, a, b, {"cols": (acc * c + 1.0).sum(dim=0), "half": (acc[:, 1::2] + 1.0).sum(dim=0)}, config=CFG, c=c)
+
+
+def test_reductions_of_double_width_value() -> None:
+    @coda.epilogue
+    def ep(acc, h: coda.Tile(width=2)):
+        return {"cols": coda.reduce_m(h * 2.0), "groups": coda.reduce_n(h + 1.0, "sum", group=4), "max": coda.reduce_n(h, "max")}
+
+    a, b = inputs()
+    h = randn(M, 2 * N)
+    check(ep, a, b, {"cols": (h * 2.0).sum(0), "groups": (h + 1.0).reshape(M, 2 * N // 4, 4).sum(-1), "max": h.amax(1)}, config=CFG, h=h)
 
 
 def test_multiple_outputs() -> None:
@@ -475,12 +580,14 @@ def test_more_tiles_than_programs(group_m: int) -> None:
 @pytest.mark.parametrize("a_col_major", [False, True], ids=["a_row", "a_col"])
 @pytest.mark.parametrize("b_col_major", [False, True], ids=["b_row", "b_col"])
 @pytest.mark.parametrize("shape", [(M, N, K), (24, 40, 32)], ids=["ragged", "aligned"])
-def test_plain_gemm_memory_orders(shape: tuple[int, int, int], a_col_major: bool, b_col_major: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plain_gemm_memory_orders(dtype: torch.dtype, shape: tuple[int, int, int], a_col_major: bool, b_col_major: bool) -> None:
+    """Row- and column-major a and b; "aligned" shapes are eligible for TMA descriptors."""
     m, n, k = shape
-    a = matrix(m, k, torch.float32, a_col_major)
-    b = matrix(k, n, torch.float32, b_col_major)
+    a = matrix(m, k, dtype, a_col_major)
+    b = matrix(k, n, dtype, b_col_major)
     out = coda.gemm(a, b)
-    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert out.shape == (m, n) and out.dtype == dtype
     assert_close(out, acc_of(a, b), a, b, "plain gemm")
 
 
@@ -509,14 +616,15 @@ def test_low_precision_inputs(dtype: torch.dtype) -> None:
 
 # -- out= ----------------------------------------------------------------------------
 
-def test_out_tensor() -> None:
+@pytest.mark.parametrize("col_major", [False, True], ids=["row_major", "col_major"])
+def test_out_tensor(col_major: bool) -> None:
     @coda.epilogue
     def ep(acc, r: coda.VecM):
         return acc * r
 
     a, b = inputs()
     r = randn(M)
-    buf = torch.full((M, N), float("nan"), device=DEVICE)
+    buf = torch.full((N, M), float("nan"), device=DEVICE).T if col_major else torch.full((M, N), float("nan"), device=DEVICE)
     res = coda.gemm(a, b, ep, out=buf, r=r)
     assert res is buf
     assert_close(buf, ep.reference(a, b, r=r), a, b, "out= tensor")
@@ -545,16 +653,18 @@ def test_out_dict() -> None:
         assert_close(res[name], ref[name], a, b, f"out= dict, {name}")
 
 
-@pytest.mark.parametrize("config", [None, CFG], ids=["default", "16x16x16"])
-def test_in_place_accumulation(config: coda.Config | None) -> None:
+@pytest.mark.parametrize("dtype, config", [
+    (torch.float32, None), (torch.float32, CFG), (torch.bfloat16, CFG),
+], ids=["fp32-default", "fp32-16x16x16", "bf16-16x16x16"])
+def test_in_place_accumulation(dtype: torch.dtype, config: coda.Config | None) -> None:
     """out=g with g also a Tile operand accumulates a @ b into g itself."""
     @coda.epilogue
     def add_into(acc, g: coda.Tile):
         return acc + g
 
-    a, b = inputs()
-    g = randn(M, N)
-    old = g.clone()
+    a, b = inputs(dtype=dtype)
+    g = randn(M, N, dtype=dtype)
+    old = g.to(torch.float32, copy=True)
     ptr = g.data_ptr()
     if config is None:
         res = coda.gemm(a, b, add_into, out=g, g=g)

@@ -28,7 +28,7 @@ _UNARY = {
     "sigmoid": "tl.sigmoid({x})",
     "silu": "{x} * tl.sigmoid({x})",
     "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
-    "tanh": "2.0 * tl.sigmoid(2.0 * {x}) - 1.0",
+    "tanh": "_tanh({x})",
     "relu": "tl.maximum({x}, 0.0)",
     "sin": "tl.sin({x})",
     "cos": "tl.cos({x})",
@@ -65,6 +65,9 @@ def _literal(value: float) -> str:
         return 'float("nan")'
     if math.isinf(value):
         return 'float("inf")' if value > 0 else 'float("-inf")'
+    if value == 0.0 and math.copysign(1.0, value) < 0:
+        # Triton turns a -0.0 constant into its null value (+0.0); build it from its bits.
+        return "tl.full((), -2147483648, tl.int32).to(tl.float32, bitcast=True)"
     return repr(float(value))
 
 
@@ -219,8 +222,11 @@ class EpilogueEmitter:
             axis = 2
         if out.op == "sum":
             lines.append(f"{r} = tl.sum({r}, axis={axis})")
-        elif out.op == "max":
-            lines.append(f"{r} = tl.max({r}, axis={axis})")
+        elif out.op == "max":  # tl.max drops NaN; torch.amax (the oracle) propagates it
+            lines += [
+                f"{r}_nan = tl.sum(({r} != {r}).to(tl.int32), axis={axis}) > 0",
+                f'{r} = tl.where({r}_nan, float("nan"), tl.max({r}, axis={axis}))',
+            ]
         else:
             lines += [
                 f"{r}_max = tl.max({r}, axis={axis})",

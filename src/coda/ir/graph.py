@@ -104,6 +104,14 @@ class Graph(_Model):
 
     @model_validator(mode="after")
     def _validate(self) -> "Graph":
+        # The typing rules raise TypeError for kind misuse (what a tracing user sees); on a
+        # constructed graph every rule violation is a validation error like the others.
+        try:
+            return self._check()
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def _check(self) -> "Graph":
         operands = {}
         for spec in self.operands:
             check_name(spec.name, "operand")

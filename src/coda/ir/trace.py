@@ -30,7 +30,8 @@ class Tracer:
         self._seen: dict[tuple, int] = {}
 
     def add(self, cls: type, **fields: object) -> "Value":
-        key = (cls.__name__, tuple(sorted(fields.items())))
+        # float.hex keeps 0.0 and -0.0 (equal as floats) apart; they are different programs.
+        key = (cls.__name__, tuple(sorted((f, v.hex() if isinstance(v, float) else v) for f, v in fields.items())))
         if key in self._seen:
             return Value(self, self._seen[key])
         probe = cls.model_construct(id=len(self.nodes), kind=Kind.SCALAR, **{"width": "1", **fields})
@@ -241,7 +242,8 @@ def _reduction(x: object, axis: str, op: str, group: int | None) -> Reduction:
         if isinstance(x, Reduction):
             x.misuse()
         raise TypeError(f"coda.reduce_{axis} expects an epilogue value, got {type(x).__name__}")
-    check_output(ReduceOutput.model_construct(name="reduction", x=x.id, axis=axis, op=op, group=group), *x.tracer.types[x.id])
+    label = f"reduce_{axis}({op!r})"
+    check_output(ReduceOutput.model_construct(name=label, x=x.id, axis=axis, op=op, group=group), *x.tracer.types[x.id])
     return Reduction(x, axis, op, group)
 
 

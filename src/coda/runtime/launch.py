@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..codegen import OperandForm, Specialization, generate, operand_args, output_args
@@ -12,9 +14,12 @@ from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.trace import trace
 from ..ir.types import Kind
+from .. import __version__
+from ..templates import TEMPLATE_VERSION
+from . import autotune
 from .cache import load_kernel, stats
 from .config import Config, check_config, default_config
-from .device import interpreting, num_programs
+from .device import device_name, interpreting, num_programs
 from .validate import IN_DTYPES, Call, validate
 
 
@@ -110,11 +115,50 @@ def run(
     graph: Graph, a: object, b: object, operands: Mapping[str, object], *,
     out: object = None, config: Config | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Compute graph(a @ b); `config` overrides the default tile configuration."""
+    """Compute graph(a @ b); `config` overrides the tuned (or default) tile configuration."""
     interpret = interpreting()
     call = validate(graph, a, b, operands, out, interpret)
-    cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k)
+    cfg = config or _pick_config(call, interpret)
     check_config(graph, cfg)
+    return _launch(call, cfg, interpret)[0]
+
+
+# (graph hash, M bucket, N, K, specialization fields) -> chosen config, for this process.
+_chosen: dict[tuple, Config] = {}
+
+
+def _pick_config(call: Call, interpret: bool) -> Config:
+    graph, m, n, k = call.graph, call.m, call.n, call.k
+    if interpret:
+        return default_config(graph, call.in_dtype, True, m, n, k)
+    fields = _spec_fields(call, interpret)
+    memo = (graph.hash, autotune.m_bucket(m), n, k, fields, autotune.mode())
+    cfg = _chosen.get(memo)
+    if cfg is not None:
+        return cfg
+    key = autotune.TuneKey(
+        graph=graph.hash, m_bucket=autotune.m_bucket(m), n=n, k=k, spec=_make_spec(fields).key(),
+        gpu=device_name(call.a.device), triton=triton.__version__, coda=__version__, template=TEMPLATE_VERSION,
+    )
+    # Tuning runs the fused kernel on the caller's inputs into scratch outputs of the same
+    # dtypes, so out= tensors (possibly aliasing operands) are never touched.
+    scratch = replace(call, out={name: torch.empty_like(t) for name, t in call.out.items()})
+    compiled: dict[Config, object] = {}
+
+    def launch(c: Config) -> None:
+        compiled[c] = _launch(scratch, c, interpret)[1]
+
+    def spills(c: Config) -> int | None:
+        return getattr(compiled.get(c), "n_spills", None)
+
+    size = call.a.element_size()
+    cfg = _chosen[memo] = autotune.choose(graph, key, call.in_dtype, size, size, m, n, k, launch, spills)
+    return cfg
+
+
+def _launch(call: Call, cfg: Config, interpret: bool) -> tuple[torch.Tensor | dict[str, torch.Tensor], object]:
+    """One kernel launch plus the reduction finalize; returns (results, Triton's compiled kernel)."""
+    graph = call.graph
     spec, kernel = _kernel_for(call, interpret, cfg)
 
     m, n, k = call.m, call.n, call.k
@@ -164,7 +208,7 @@ def run(
             results[o.name] = target if target is not None else torch.empty(shape, dtype=torch.float32, device=device)
 
     grid = (min(num_programs(device), tiles_m * tiles_n),)
-    kernel[grid](
+    compiled = kernel[grid](
         **args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_SMS=grid[0], FLATTEN=cfg.flatten,
@@ -181,8 +225,8 @@ def run(
         else:
             torch.logsumexp(partial, dim=1, out=dst)
     if graph.single:
-        return results[graph.outputs[0].name]
-    return results
+        return results[graph.outputs[0].name], compiled
+    return results, compiled
 
 
 def gemm(a: object, b: object, epilogue: object = None, *, out: object = None, **operands: object):

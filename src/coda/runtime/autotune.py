@@ -1,0 +1,234 @@
+"""The autotuner: pick a tile config per (graph, shape bucket, dtypes, layouts, GPU).
+
+Candidates come from a Hopper config space, pruned before any benchmark by what
+cannot work (shared memory, accumulator registers, pair and group constraints),
+then by what the compiler reports (spills). Each survivor is benchmarked *with the
+epilogue fused in* on the caller's own inputs. Winners are stored one JSON file per
+key under `$CODA_CACHE_DIR/tuning/`, written atomically; an unreadable or stale
+entry is ignored and retuned.
+
+`CODA_AUTOTUNE`: `1` (default on a GPU) tunes on the first call of each key;
+`0` skips tuning and uses the default config; `force` retunes even when cached.
+`CODA_TUNE_QUIET=1` silences the progress lines (written to stderr).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+import triton
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .. import __version__
+from ..ir.graph import Graph
+from ..ir.nodes import PairNode, StoreOutput
+from ..templates import TEMPLATE_VERSION
+from .cache import atomic_write, cache_dir
+from .config import Config, check_config, default_config, min_block_n
+
+SMEM_LIMIT = 232448  # bytes per block on sm_90 (227 KiB opt-in)
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
+
+
+class TuneKey(BaseModel):
+    """Everything a tuned winner depends on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    graph: str
+    m_bucket: int
+    n: int
+    k: int
+    spec: str  # dtypes, layouts and operand forms (Specialization.key())
+    gpu: str
+    triton: str
+    coda: str
+    template: int
+
+    def filename(self) -> str:
+        import hashlib
+
+        text = json.dumps(self.model_dump(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24] + ".json"
+
+
+class TuneEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: TuneKey
+    config: Config
+    ms: float
+    candidates: int
+
+
+def m_bucket(m: int) -> int:
+    """Token counts vary between calls; weights (N, K) do not. Bucket M by powers of two."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def mode() -> str:
+    value = os.environ.get("CODA_AUTOTUNE", "1").strip().lower()
+    if value not in ("0", "1", "force"):
+        raise ValueError(f"CODA_AUTOTUNE must be 0, 1 or force, got {value!r}")
+    return value
+
+
+def config_space(in_dtype: str) -> list[Config]:
+    """Round-one Hopper candidates (tile, warps, stages); round two varies the options."""
+    if in_dtype == "float32":  # IEEE fp32 dot runs on FMA units: small tiles only
+        shapes = [(64, 64, 32, 4), (64, 128, 32, 4), (128, 64, 32, 4), (128, 128, 32, 8)]
+        stages = (2, 3)
+    else:
+        shapes = [(128, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8), (64, 256, 64, 4),
+                  (128, 128, 128, 8)]
+        stages = (3, 4, 5)
+    return [
+        Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s)
+        for (bm, bn, bk, w), s in itertools.product(shapes, stages)
+    ]
+
+
+def option_variants(cfg: Config) -> list[Config]:
+    """Round two: the template options (flattened tile loop, TMA stores) on a good tile."""
+    return [
+        cfg.model_copy(update={"flatten": f, "tma_store": t})
+        for f, t in itertools.product((False, True), (False, True))
+        if (f, t) != (cfg.flatten, cfg.tma_store)
+    ]
+
+
+def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
+    """Shared memory the kernel needs: the operand ring plus TMA store staging."""
+    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size
+    staging = 0
+    if cfg.tma_store:
+        for o in graph.outputs:
+            if isinstance(o, StoreOutput):
+                staging += int(cfg.block_m * cfg.block_n * graph.node(o.x).frac_width) * out_size
+    return ring + staging
+
+
+def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int, n: int) -> str | None:
+    """Why cfg cannot (or need not) run this graph, or None if it is a candidate."""
+    if cfg.block_n < min_block_n(graph):
+        return f"block_n {cfg.block_n} cannot hold whole reduction groups (needs {min_block_n(graph)})"
+    for node in graph.nodes:
+        if isinstance(node, PairNode):
+            cols = cfg.block_n * graph.node(node.x).frac_width
+            if cols < 2 or cols % 2:
+                return f"pairs need an even column count per tile, got {cols}"
+    acc_regs = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    if acc_regs > MAX_ACC_REGS:
+        return f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS})"
+    smem = smem_bytes(graph, cfg, in_size, out_size)
+    if smem > SMEM_LIMIT:
+        return f"shared memory {smem} B > {SMEM_LIMIT} B"
+    if cfg.block_m > 2 * max(m, 16) or cfg.block_n > 2 * max(n, 16):
+        return "tile far larger than the problem"
+    if cfg.tma_store and not any(isinstance(o, StoreOutput) for o in graph.outputs):
+        return "no tile outputs to store through TMA"
+    return None
+
+
+def _path(key: TuneKey):
+    return cache_dir() / "tuning" / key.filename()
+
+
+def load_entry(key: TuneKey) -> TuneEntry | None:
+    """The cached winner, or None when missing, unreadable, for another key, or invalid now."""
+    path = _path(key)
+    try:
+        entry = TuneEntry.model_validate_json(path.read_text())
+    except (OSError, ValueError, ValidationError):
+        return None
+    if entry.key != key:
+        return None
+    return entry
+
+
+def store_entry(entry: TuneEntry) -> None:
+    atomic_write(_path(entry.key), entry.model_dump_json(indent=1))
+
+
+def _say(msg: str) -> None:
+    if os.environ.get("CODA_TUNE_QUIET", "0") in ("", "0"):
+        print(f"[coda tune] {msg}", file=sys.stderr, flush=True)
+
+
+def measure(fn: Callable[[], object]) -> float:
+    """Median ms of fn on the GPU (the tests replace this to check the logic on a CPU)."""
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _label(cfg: Config) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}")
+
+
+def tune(
+    graph: Graph, key: TuneKey, configs: list[Config], launch: Callable[[Config], object],
+    spills: Callable[[Config], int | None] = lambda cfg: None,
+    keep: Callable[[Config], bool] = lambda cfg: True, top: int = 3,
+) -> TuneEntry:
+    """Benchmark configs with `launch(cfg)` (the fused kernel on the caller's inputs), then the
+    option variants of the `top` best that `keep` admits; store and return the winner."""
+    _say(f"tuning {graph.name} M<={key.m_bucket} N={key.n} K={key.k} on {key.gpu}: {len(configs)} configs + variants")
+    timings: dict[Config, float] = {}
+    t0 = time.time()
+
+    def bench(batch: list[Config]) -> None:
+        for i, cfg in enumerate(batch, 1):
+            try:
+                launch(cfg)  # compiles; errors (e.g. out of resources) drop the config
+                spilled = spills(cfg)
+                if spilled:
+                    _say(f"  [{i}/{len(batch)}] {_label(cfg)}: skipped, {spilled} register spills")
+                    continue
+                ms = measure(lambda: launch(cfg))
+            except Exception as exc:  # noqa: BLE001 - a config that fails to build is pruned, not fatal
+                _say(f"  [{i}/{len(batch)}] {_label(cfg)}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            timings[cfg] = ms
+            _say(f"  [{i}/{len(batch)}] {_label(cfg)}: {ms:.4f} ms")
+
+    bench(configs)
+    leaders = sorted(timings, key=timings.get)[:top]
+    bench([v for c in leaders for v in option_variants(c) if keep(v) and v not in timings])
+    if not timings:
+        raise RuntimeError(f"coda: no config could run {graph.name} for M<={key.m_bucket} N={key.n} K={key.k}")
+    best = min(timings, key=timings.get)
+    entry = TuneEntry(key=key, config=best, ms=timings[best], candidates=len(timings))
+    store_entry(entry)
+    _say(f"best {_label(best)} at {timings[best]:.4f} ms ({time.time() - t0:.0f} s, {len(timings)} timed)")
+    return entry
+
+
+def choose(
+    graph: Graph, key: TuneKey, in_dtype: str, in_size: int, out_size: int, m: int, n: int, k: int,
+    launch: Callable[[Config], object], spills: Callable[[Config], int | None],
+) -> Config:
+    """The config for this call: cached winner, fresh tuning, or the default (CODA_AUTOTUNE=0)."""
+    setting = mode()
+    if setting == "0":
+        return default_config(graph, in_dtype, False, m, n, k)
+    if setting == "1":
+        entry = load_entry(key)
+        if entry is not None:
+            try:
+                check_config(graph, entry.config)
+                return entry.config
+            except ValueError:
+                _say(f"cached config for {graph.name} no longer valid; retuning")
+
+    def keep(cfg: Config) -> bool:
+        return prune_reason(graph, cfg, in_size, out_size, m, n) is None
+
+    configs = [c for c in config_space(in_dtype) if keep(c)]
+    return tune(graph, key, configs, launch, spills, keep).config
+
+
+__all__ = ["TuneKey", "TuneEntry", "m_bucket", "mode", "config_space", "option_variants", "prune_reason",
+           "smem_bytes", "load_entry", "store_entry", "measure", "tune", "choose"]

@@ -21,8 +21,6 @@ epilogue fused in). compile = the faster of the compile_* rows.
     python bench/gemm_epilogues.py --merge DIR/*.json --out bench/results   # table + plot
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math
@@ -33,6 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import coda
 
 ROWS: list[dict] = []
 NOTES: list[str] = []
@@ -395,36 +395,16 @@ def main() -> None:
         sys.exit("gemm_epilogues.py measures on a CUDA GPU; --merge runs anywhere")
     import triton
 
-    import coda
-
     torch.manual_seed(0)
     lg = liger()
     both = ["default", "max-autotune-no-cudagraphs"]
     ops = args.ops.split(",")
     log(f"GPU {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
-    if "gemm" in ops:
-        bench_gemm(coda)
-    if "rmsnorm_gemm" in ops:
-        bench_rmsnorm_gemm(coda, lg, **PRIMARY, modes=both)
-        bench_rmsnorm_gemm(coda, lg, **EIGHT_B, modes=["default"])
-    if "swiglu" in ops:
-        bench_swiglu(coda, lg, **PRIMARY, modes=both)
-        bench_swiglu(coda, lg, **EIGHT_B, modes=["default"])
-        bench_swiglu(coda, lg, m=16384, d=2048, ffn=8192, modes=["default"])
-    if "rope" in ops:
-        bench_rope(coda, lg, PRIMARY["m"], PRIMARY["d"], modes=both)
-        bench_rope(coda, lg, EIGHT_B["m"], EIGHT_B["d"], modes=["default"])
-    if "residual_norm" in ops:
-        bench_residual_norm(coda, lg, **PRIMARY, modes=both)
-        bench_residual_norm(coda, lg, **EIGHT_B, modes=["default"])
-    if "lm_head_ce" in ops:
-        bench_lm_head_ce(coda, lg, 8192, 2048, 128256, modes=["default"])
-        bench_lm_head_ce(coda, lg, 8192, 2048, 32768, modes=["default"])
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "coda": coda.__version__, "python": platform.python_version(),
-        "liger": getattr(sys.modules.get("liger_kernel"), "__version__", "0.8.5" if lg else None),
+        "liger": "0.8.5" if lg else None,
         "protocol": ("triton.testing.do_bench median (warmup 50 ms, rep 200 ms), one process per part; bf16 random "
                      "inputs; every variant checked against an fp32 reference before timing; working sets exceed L2. "
                      "compile = faster of torch.compile default and max-autotune-no-cudagraphs (max-autotune only at "
@@ -432,7 +412,34 @@ def main() -> None:
                      "on first call."),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.part}.json").write_text(json.dumps({"meta": meta, "rows": ROWS, "notes": NOTES}, indent=1))
+
+    def save() -> None:  # after every op, so a run cut short keeps what it measured
+        (args.out / f"{args.part}.json").write_text(json.dumps({"meta": meta, "rows": ROWS, "notes": NOTES}, indent=1))
+
+    if "gemm" in ops:
+        bench_gemm(coda)
+        save()
+    if "rmsnorm_gemm" in ops:
+        bench_rmsnorm_gemm(coda, lg, **PRIMARY, modes=both)
+        bench_rmsnorm_gemm(coda, lg, **EIGHT_B, modes=["default"])
+        save()
+    if "swiglu" in ops:
+        bench_swiglu(coda, lg, **PRIMARY, modes=both)
+        bench_swiglu(coda, lg, **EIGHT_B, modes=["default"])
+        bench_swiglu(coda, lg, m=16384, d=2048, ffn=8192, modes=["default"])
+        save()
+    if "rope" in ops:
+        bench_rope(coda, lg, PRIMARY["m"], PRIMARY["d"], modes=both)
+        bench_rope(coda, lg, EIGHT_B["m"], EIGHT_B["d"], modes=["default"])
+        save()
+    if "residual_norm" in ops:
+        bench_residual_norm(coda, lg, **PRIMARY, modes=both)
+        bench_residual_norm(coda, lg, **EIGHT_B, modes=["default"])
+        save()
+    if "lm_head_ce" in ops:
+        bench_lm_head_ce(coda, lg, 8192, 2048, 128256, modes=["default"])
+        bench_lm_head_ce(coda, lg, 8192, 2048, 32768, modes=["default"])
+    save()
     log(f"measured {len(ROWS)} rows in {time.time() - t0:.0f} s")
     log(table(summarize(ROWS)))
 

@@ -14,7 +14,7 @@ from ..codegen import OperandForm, Specialization, generate, operand_args, outpu
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.types import Kind
-from .cache import _import, atomic_write, cache_dir, kernel_key
+from .cache import _import, atomic_write, cache_dir, kernel_key, seal
 from .config import Config, check_config
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
@@ -86,7 +86,7 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
     check_config(graph, cfg)
     key = kernel_key(graph, spec)
     path = cache_dir() / "kernels" / f"coda_{key}.py"
-    atomic_write(path, generate(graph, spec))
+    atomic_write(path, seal(generate(graph, spec)))
     module = _import(path, f"coda_aot_{key}")
     sig, constexprs = _signature(graph, spec, cfg)
     src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)

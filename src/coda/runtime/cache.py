@@ -77,18 +77,31 @@ def load_kernel(graph: Graph, spec: Specialization):
     return module.coda_kernel
 
 
+_SEAL = "# coda-sha256: "
+
+
+def seal(text: str) -> str:
+    """Append a checksum line, so a truncated or edited cache file is detected on load."""
+    return f"{text}{_SEAL}{hashlib.sha256(text.encode()).hexdigest()}\n"
+
+
+def is_sealed(text: str) -> bool:
+    body, sep, digest = text.rstrip("\n").rpartition("\n" + _SEAL)
+    return bool(sep) and hashlib.sha256((body + "\n").encode()).hexdigest() == digest
+
+
 def _load_or_generate(graph: Graph, spec: Specialization, key: str) -> ModuleType:
     path = cache_dir() / "kernels" / f"coda_{key}.py"
     name = f"coda_generated_{key}"
     if path.exists():
         try:
             text = path.read_text()
-            if graph.hash in text:
+            if is_sealed(text) and graph.hash in text:
                 module = _import(path, name)
                 stats["disk_hits"] += 1
                 return module
-        except Exception:  # a truncated or foreign file: regenerate it below
+        except Exception:  # unreadable or not importable: regenerate it below
             pass
-    atomic_write(path, generate(graph, spec))
+    atomic_write(path, seal(generate(graph, spec)))
     stats["generated"] += 1
     return _import(path, name)

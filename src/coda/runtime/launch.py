@@ -7,19 +7,18 @@ from typing import Mapping
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..codegen import OperandForm, Specialization, generate, operand_args, output_args
+from ..codegen import OperandForm, Specialization, generate
 from ..ir.graph import Graph
-from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.nodes import StoreOutput
 from ..ir.trace import trace
-from ..ir.types import Kind
 from .. import __version__
 from ..templates import TEMPLATE_VERSION
 from . import autotune
 from .cache import load_kernel, stats
 from .config import Config, check_config, default_config
 from .device import device_name, interpreting, num_programs
+from .plan import Plan
 from .validate import IN_DTYPES, Call, validate
 
 
@@ -103,24 +102,60 @@ def _kernel_for(call: Call, interpret: bool, cfg: Config) -> tuple[Specializatio
     return hit
 
 
-def _descriptor(t: torch.Tensor, mode: str, rows: int, cols: int) -> object:
-    if mode == "tma_row":
-        return TensorDescriptor.from_tensor(t, [rows, cols])
-    if mode == "tma_col":
-        return TensorDescriptor.from_tensor(t.T, [cols, rows])
-    return t
-
-
 def run(
     graph: Graph, a: object, b: object, operands: Mapping[str, object], *,
     out: object = None, config: Config | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Compute graph(a @ b); `config` overrides the tuned (or default) tile configuration."""
     interpret = interpreting()
-    call = validate(graph, a, b, operands, out, interpret)
-    cfg = config or _pick_config(call, interpret)
-    check_config(graph, cfg)
-    return _launch(call, cfg, interpret)[0]
+    key = _call_key(graph, a, b, operands, out, config)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        call = validate(graph, a, b, operands, out, interpret)
+        cfg = config or _pick_config(call, interpret)
+        check_config(graph, cfg)
+        plan = make_plan(call, cfg, interpret)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+        return plan.execute(call.a, call.b, call.operands, call.out)[0]
+    stats["memory_hits"] += 1
+    return plan.execute(a, b, operands, _out_dict(graph, out))[0]
+
+
+# Validated calls by everything validation looks at (tensor metadata, operand forms, out=,
+# config, tuning mode): a repeated call skips validation, specialization and config choice.
+_plans: dict[tuple, Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _meta(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16)
+    return type(v)
+
+
+def _call_key(graph: Graph, a: object, b: object, operands: Mapping[str, object], out: object,
+              config: Config | None) -> tuple | None:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if out is None or isinstance(out, torch.Tensor):
+        outs: object = _meta(out)
+    elif isinstance(out, dict):
+        outs = tuple((k, _meta(v)) for k, v in out.items())
+    else:
+        return None
+    ops = tuple((k, _meta(v)) for k, v in operands.items())
+    return (graph.hash, _meta(a), _meta(b), ops, outs, config, autotune.mode())
+
+
+def _out_dict(graph: Graph, out: object) -> dict:
+    if out is None:
+        return {}
+    if isinstance(out, torch.Tensor):
+        return {graph.outputs[0].name: out}
+    return out  # type: ignore[return-value]
 
 
 # (graph hash, M bucket, N, K, specialization fields) -> chosen config, for this process.
@@ -157,76 +192,13 @@ def _pick_config(call: Call, interpret: bool) -> Config:
 
 
 def _launch(call: Call, cfg: Config, interpret: bool) -> tuple[torch.Tensor | dict[str, torch.Tensor], object]:
-    """One kernel launch plus the reduction finalize; returns (results, Triton's compiled kernel)."""
-    graph = call.graph
+    """One validated launch (plan, kernel, finalize); returns (results, Triton's compiled kernel)."""
+    return make_plan(call, cfg, interpret).execute(call.a, call.b, call.operands, call.out)
+
+
+def make_plan(call: Call, cfg: Config, interpret: bool) -> Plan:
     spec, kernel = _kernel_for(call, interpret, cfg)
-
-    m, n, k = call.m, call.n, call.k
-    tiles_m = -(-m // cfg.block_m)
-    tiles_n = -(-n // cfg.block_n)
-    device = call.a.device
-    args: dict[str, object] = {
-        "a_src": _descriptor(call.a, spec.a_load, cfg.block_m, cfg.block_k),
-        "b_src": _descriptor(call.b, spec.b_load, cfg.block_k, cfg.block_n),
-        "M": m, "N": n, "K": k,
-        "stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
-        "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),
-    }
-    forms = {f.name: f for f in spec.operands}
-    for s in graph.operands:
-        names = operand_args(s, forms[s.name])
-        value = call.operands[s.name]
-        if s.kind == Kind.SCALAR:
-            args[names[0]] = value
-        elif s.kind == Kind.TILE:
-            args.update(zip(names, (value, value.stride(0), value.stride(1))))
-        else:
-            args.update(zip(names, (value, value.stride(0))))
-
-    results: dict[str, torch.Tensor] = {}
-    finalize: list[tuple[ReduceOutput, torch.Tensor]] = []
-    for o in graph.outputs:
-        names = output_args(o)
-        shape = call.output_shape(o)
-        target = call.out.get(o.name)
-        if isinstance(o, StoreOutput):
-            t = target if target is not None else torch.empty(shape, dtype=call.a.dtype, device=device)
-            dst = t
-            if o.name in spec.tma_stores:
-                dst = TensorDescriptor.from_tensor(t, [cfg.block_m, int(cfg.block_n * graph.node(o.x).frac_width)])
-            args.update(zip(names, (dst, t.stride(0), t.stride(1))))
-            results[o.name] = t
-        elif o.group is not None:
-            t = target if target is not None else torch.empty(shape, dtype=torch.float32, device=device)
-            args.update(zip(names, (t, t.stride(0), t.stride(1))))
-            results[o.name] = t
-        else:
-            parts = (m, tiles_n) if o.axis == "n" else (tiles_m, shape[0])
-            partial = torch.empty(parts, dtype=torch.float32, device=device)
-            args[names[0]] = partial
-            finalize.append((o, partial))
-            results[o.name] = target if target is not None else torch.empty(shape, dtype=torch.float32, device=device)
-
-    grid = (min(num_programs(device), tiles_m * tiles_n),)
-    compiled = kernel[grid](
-        **args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, NUM_SMS=grid[0], FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    for o, partial in finalize:
-        dst = results[o.name]
-        if o.axis == "m":
-            torch.sum(partial, dim=0, out=dst)
-        elif o.op == "sum":
-            torch.sum(partial, dim=1, out=dst)
-        elif o.op == "max":
-            torch.amax(partial, dim=1, out=dst)
-        else:
-            torch.logsumexp(partial, dim=1, out=dst)
-    if graph.single:
-        return results[graph.outputs[0].name], compiled
-    return results, compiled
+    return Plan.build(call, spec, kernel, cfg, num_programs(call.a.device))
 
 
 def gemm(a: object, b: object, epilogue: object = None, *, out: object = None, **operands: object):

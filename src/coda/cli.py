@@ -1,4 +1,5 @@
-"""`python -m coda demo`: a fused RMSNorm + SwiGLU GEMM pair, checked and (on a GPU) timed.
+"""The `coda` command: `demo` (a fused RMSNorm + SwiGLU GEMM pair, checked and, on a GPU,
+timed) and `tune` (pre-tune epilogues for given shapes).
 
 It runs TRANSFORMER.md sections 1-2 on one MLP input: a producer GEMM (the
 attention output projection) whose epilogue adds the residual, stores h = x * g and
@@ -10,6 +11,8 @@ unfused standard-layout PyTorch implementation, and exits non-zero on a mismatch
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 import time
 
@@ -95,6 +98,65 @@ def demo(gpu: bool, m: int, d: int, ffn: int, eps: float = 1e-6) -> bool:
     return ok
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_epilogue(target: str) -> coda.Epilogue | None:
+    """`plain` (no epilogue) or `package.module:name` naming a @coda.epilogue."""
+    if target == "plain":
+        return None
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"coda tune: {target!r} is not 'plain' or 'module:epilogue'")
+    ep = getattr(importlib.import_module(module_name), attr, None)
+    if not isinstance(ep, coda.Epilogue):
+        raise SystemExit(f"coda tune: {target} is not a @coda.epilogue (got {type(ep).__name__})")
+    return ep
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"coda tune: --shape takes M,N,K (three integers), got {text!r}") from None
+    return m, n, k
+
+
+def tune_command(targets: list[str], shapes: list[str], dtype: str, ints: list[str], force: bool) -> int:
+    """Pre-tune epilogues on given shapes: run each once so the autotuner fills its cache."""
+    if coda.runtime.interpreting():
+        print("coda tune: tuning needs a CUDA GPU (kernels here run in Triton's interpreter)", file=sys.stderr)
+        return 2
+    if force:
+        os.environ["CODA_AUTOTUNE"] = "force"
+    dt = _DTYPES[dtype]
+    for target in targets:
+        ep = load_epilogue(target)
+        graph = coda.runtime.graph_of(ep)
+        for m, n, k in map(parse_shape, shapes):
+            a = torch.randn(m, k, device="cuda").to(dt)
+            w = torch.randn(n, k, device="cuda").to(dt)
+            ops = {}
+            for s in graph.operands:
+                cols = int(n * s.frac_width)
+                if s.name in ints:
+                    size = {"scalar": (), "vec_m": (m,), "vec_n": (cols,), "tile": (m, cols)}[s.kind.value]
+                    ops[s.name] = torch.randint(0, n, size, device="cuda")
+                elif s.kind.value == "scalar":
+                    ops[s.name] = 1.0
+                elif s.kind.value == "vec_m":
+                    ops[s.name] = torch.rand(m, device="cuda")
+                elif s.kind.value == "vec_n":
+                    ops[s.name] = torch.rand(cols, device="cuda").to(dt)
+                else:
+                    ops[s.name] = torch.randn(m, cols, device="cuda").to(dt)
+            coda.gemm(a, w.T, ep, **ops)
+            torch.cuda.synchronize()
+            cfg = coda.runtime.launch.chosen_config(graph, a, w.T, ops)
+            print(f"{target} M={m} N={n} K={k} {dtype}: {cfg.model_dump() if cfg else 'default'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coda", description="coda command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,7 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--m", type=int, help="tokens (default 96 on CPU, 8192 on GPU)")
     d.add_argument("--d", type=int, help="model width (default 64 on CPU, 2048 on GPU)")
     d.add_argument("--ffn", type=int, help="MLP width (default 80 on CPU, 8192 on GPU)")
+    t = sub.add_parser("tune", help="pre-tune epilogues for given shapes (GPU only; fills the tuning cache)")
+    t.add_argument("targets", nargs="+", help="'plain' or module:epilogue (a @coda.epilogue object)")
+    t.add_argument("--shape", action="append", required=True, help="M,N,K (repeatable); b is an nn.Linear weight view")
+    t.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    t.add_argument("--int", dest="ints", action="append", default=[], help="operand to fill with integer ids in [0, N)")
+    t.add_argument("--force", action="store_true", help="retune even when a cached winner exists")
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        return tune_command(args.targets, args.shape, args.dtype, args.ints, args.force)
     gpu = not coda.runtime.interpreting()
     m = args.m or (8192 if gpu else 96)
     dm = args.d or (2048 if gpu else 64)

@@ -191,6 +191,13 @@ def _pick_config(call: Call, interpret: bool) -> Config:
     return cfg
 
 
+def chosen_config(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: Mapping[str, object]) -> Config | None:
+    """The config this process chose for such a call (after one has run), or None."""
+    call = validate(graph, a, b, operands, None, interpreting())
+    memo = (graph.hash, autotune.m_bucket(call.m), call.n, call.k, _spec_fields(call, False), autotune.mode())
+    return _chosen.get(memo)
+
+
 def _launch(call: Call, cfg: Config, interpret: bool) -> tuple[torch.Tensor | dict[str, torch.Tensor], object]:
     """One validated launch (plan, kernel, finalize); returns (results, Triton's compiled kernel)."""
     return make_plan(call, cfg, interpret).execute(call.a, call.b, call.operands, call.out)

@@ -1,0 +1,299 @@
+"""The autotuner's logic on a CPU: pruning, keys, the on-disk cache, env switches.
+
+Benchmarks are replaced by deterministic fake timings (the real `measure` needs a GPU);
+everything else (candidate selection, the two rounds, cache files, retuning) is real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import coda
+from coda.runtime import autotune
+from coda.runtime.autotune import TuneEntry, TuneKey
+from coda.runtime.config import Config, default_config
+
+
+@coda.epilogue
+def grouped(acc):
+    return {"y": acc, "heads": coda.reduce_n(acc * acc, "sum", group=256)}
+
+
+@coda.epilogue
+def swiglu(acc):
+    gate, up = coda.pairs(acc)
+    return coda.silu(gate) * up
+
+
+def key(**changes: object) -> TuneKey:
+    base = dict(graph=swiglu.graph.hash, m_bucket=8192, n=16384, k=2048, spec="s", gpu="NVIDIA H200",
+                triton="3.6.0", coda=coda.__version__, template=3)
+    base.update(changes)
+    return TuneKey(**base)
+
+
+def fake_time(cfg: Config) -> float:
+    """A deterministic 'benchmark': prefers 128x256, 3 stages, flatten on, TMA stores on."""
+    t = 1.0 + abs(cfg.block_n - 256) / 1000 + abs(cfg.block_m - 128) / 1000 + abs(cfg.num_stages - 3) / 100
+    return t - 0.01 * cfg.flatten - 0.02 * cfg.tma_store
+
+
+@pytest.fixture
+def fake_measure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Config]:
+    """Replace the GPU timer, with a fresh tuning cache; `launch` records each config it is given."""
+    launched: list[Config] = []
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+
+    def measure(fn):
+        fn()
+        return fake_time(launched[-1])
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    monkeypatch.delenv("CODA_AUTOTUNE", raising=False)
+    monkeypatch.setenv("CODA_TUNE_QUIET", "1")
+    return launched
+
+
+def choose(launched: list[Config], graph=swiglu.graph, k: TuneKey | None = None) -> Config:
+    return autotune.choose(graph, k or key(), "bfloat16", 2, 2, 8192, 16384, 2048, launched.append, lambda c: None)
+
+
+# -- pruning -------------------------------------------------------------------------------
+
+def test_prune_grouped_reduction_needs_whole_groups() -> None:
+    small = Config(block_m=128, block_n=128, block_k=64, num_warps=8)
+    assert "whole reduction groups" in autotune.prune_reason(grouped.graph, small, 2, 2, 8192, 8192)
+    big = small.model_copy(update={"block_n": 256})
+    assert autotune.prune_reason(grouped.graph, big, 2, 2, 8192, 8192) is None
+
+
+def test_prune_shared_memory() -> None:
+    cfg = Config(block_m=256, block_n=256, block_k=128, num_warps=8, num_stages=4)
+    assert autotune.smem_bytes(swiglu.graph, cfg, 2, 2) == 4 * 512 * 128 * 2
+    assert "shared memory" in autotune.prune_reason(swiglu.graph, cfg.model_copy(update={"num_warps": 16}), 2, 2, 8192, 8192)
+
+
+def test_prune_tma_store_staging_counts() -> None:
+    cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    assert autotune.prune_reason(grouped.graph, cfg, 2, 2, 8192, 8192) is None
+    with_tma = cfg.model_copy(update={"tma_store": True})
+    assert autotune.smem_bytes(grouped.graph, with_tma, 2, 2) == 4 * 384 * 64 * 2 + 128 * 256 * 2
+    assert "shared memory" in autotune.prune_reason(grouped.graph, with_tma, 2, 2, 8192, 8192)
+
+
+def test_prune_accumulator_registers() -> None:
+    cfg = Config(block_m=256, block_n=256, block_k=64, num_warps=4, num_stages=2)
+    assert "registers" in autotune.prune_reason(swiglu.graph, cfg, 2, 2, 8192, 8192)
+
+
+def test_prune_tiles_far_larger_than_the_problem() -> None:
+    cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8)
+    assert "larger than the problem" in autotune.prune_reason(swiglu.graph, cfg, 2, 2, 16, 16384)
+
+
+def test_prune_tma_store_without_tile_outputs() -> None:
+    only_red = coda.epilogue(lambda acc: coda.reduce_n(acc, "max"))
+    cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, tma_store=True)
+    assert "no tile outputs" in autotune.prune_reason(only_red.graph, cfg, 2, 2, 8192, 8192)
+
+
+def test_config_space_is_pruned_per_graph() -> None:
+    space = autotune.config_space("bfloat16")
+    kept = [c for c in space if autotune.prune_reason(grouped.graph, c, 2, 2, 8192, 8192) is None]
+    assert kept and all(c.block_n >= 256 for c in kept) and len(kept) < len(space)
+
+
+# -- keys -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("graph", grouped.graph.hash), ("m_bucket", 16384), ("n", 8192), ("k", 4096), ("spec", "other"),
+    ("gpu", "NVIDIA H100"), ("triton", "3.5.0"), ("coda", "0.0.1"), ("template", 2),
+])
+def test_every_key_field_changes_the_file(field: str, value: object) -> None:
+    assert key().filename() != key(**{field: value}).filename()
+
+
+def test_key_is_stable() -> None:
+    assert key().filename() == key().filename()
+
+
+@pytest.mark.parametrize("m,bucket", [(1, 1), (2, 2), (3, 4), (8192, 8192), (8193, 16384)])
+def test_m_bucket(m: int, bucket: int) -> None:
+    assert autotune.m_bucket(m) == bucket
+
+
+# -- tuning and the cache -------------------------------------------------------------------
+
+def test_tune_picks_fastest_and_stores_it(fake_measure: list[Config]) -> None:
+    cfg = choose(fake_measure)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.flatten, cfg.tma_store) == (128, 256, 3, True, True)
+    assert any(c.flatten for c in fake_measure) and not all(c.flatten for c in fake_measure)  # two rounds
+    entry = autotune.load_entry(key())
+    assert entry is not None and entry.config == cfg and entry.ms == pytest.approx(fake_time(cfg))
+
+
+def test_cached_winner_is_reused_without_benchmarks(fake_measure: list[Config]) -> None:
+    first = choose(fake_measure)
+    fake_measure.clear()
+    assert choose(fake_measure) == first
+    assert fake_measure == []
+
+
+def test_force_retunes(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    choose(fake_measure)
+    fake_measure.clear()
+    monkeypatch.setenv("CODA_AUTOTUNE", "force")
+    choose(fake_measure)
+    assert fake_measure
+
+
+def test_disabled_uses_default(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_AUTOTUNE", "0")
+    cfg = choose(fake_measure)
+    assert fake_measure == [] and cfg == default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
+
+
+def test_bad_switch_value_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="CODA_AUTOTUNE must be 0, 1 or force"):
+        autotune.mode()
+
+
+@pytest.mark.parametrize("garbage", ["", "{not json", '{"key": 1}', "[]"])
+def test_corrupt_entry_is_ignored_and_rewritten(fake_measure: list[Config], garbage: str) -> None:
+    path = autotune._path(key())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(garbage)
+    cfg = choose(fake_measure)
+    assert fake_measure  # retuned
+    assert TuneEntry.model_validate_json(path.read_text()).config == cfg
+
+
+def test_entry_for_another_key_is_ignored(fake_measure: list[Config]) -> None:
+    other = TuneEntry(key=key(n=1), config=Config(block_m=64, block_n=64, block_k=64), ms=0.1, candidates=1)
+    path = autotune._path(key())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(other.model_dump_json())
+    assert choose(fake_measure).block_n == 256 and fake_measure
+
+
+def test_stale_entry_is_retuned(fake_measure: list[Config]) -> None:
+    k = key(graph=grouped.graph.hash)
+    stale = TuneEntry(key=k, config=Config(block_m=128, block_n=64, block_k=64), ms=0.1, candidates=1)
+    autotune.store_entry(stale)  # block_n=64 cannot hold groups of 256 columns
+    cfg = choose(fake_measure, grouped.graph, k)
+    assert fake_measure and cfg.block_n >= 256
+
+
+def test_failing_configs_are_skipped(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_TUNE_QUIET", "0")
+
+    def launch(cfg: Config) -> None:
+        if cfg.block_n == 256:
+            raise RuntimeError("out of resources")
+        fake_measure.append(cfg)
+
+    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, launch, lambda c: None)
+    assert cfg.block_n != 256
+
+
+def test_spilling_configs_are_skipped(fake_measure: list[Config]) -> None:
+    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
+                          lambda c: 12 if c.block_n == 256 else 0)
+    assert cfg.block_n != 256
+
+
+def test_no_runnable_config_is_an_error(fake_measure: list[Config]) -> None:
+    def launch(cfg: Config) -> None:
+        raise RuntimeError("nothing compiles")
+
+    with pytest.raises(RuntimeError, match="no config could run swiglu"):
+        autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, launch, lambda c: None)
+
+
+def test_progress_is_reported(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CODA_TUNE_QUIET", "0")
+    choose(fake_measure)
+    err = capsys.readouterr().err
+    assert "[coda tune] tuning swiglu M<=8192 N=16384 K=2048" in err
+    assert "[coda tune] best 128x256x64" in err and err.count(" ms\n") == len(set(fake_measure)) + 1
+
+
+# -- across processes ----------------------------------------------------------------------
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import coda
+    from coda.runtime import autotune
+    from coda.runtime.config import Config
+
+    @coda.epilogue
+    def swiglu(acc):
+        gate, up = coda.pairs(acc)
+        return coda.silu(gate) * up
+
+    calls = []
+    def measure(fn):
+        fn()
+        time.sleep(float(sys.argv[1]))
+        return 1.0 + abs(calls[-1].block_n - 256) / 1000 - 0.01 * calls[-1].flatten
+    autotune.measure = measure
+    key = autotune.TuneKey(graph=swiglu.graph.hash, m_bucket=8192, n=16384, k=2048, spec="s", gpu="g",
+                           triton="3.6.0", coda=coda.__version__, template=3)
+    cfg = autotune.choose(swiglu.graph, key, "bfloat16", 2, 2, 8192, 16384, 2048, calls.append, lambda c: None)
+    print(json.dumps({"config": cfg.model_dump(), "benchmarked": len(calls)}))
+""")
+
+
+def _spawn(tmp_path: Path, delay: float) -> subprocess.Popen:
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_TUNE_QUIET": "1"}
+    env.pop("CODA_AUTOTUNE", None)
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT, str(delay)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_fresh_process_reuses_the_tuning_cache(tmp_path: Path) -> None:
+    first = _result(_spawn(tmp_path, 0.0))
+    second = _result(_spawn(tmp_path, 0.0))
+    assert first["benchmarked"] > 0 and second["benchmarked"] == 0
+    assert first["config"] == second["config"]
+
+
+def test_two_processes_tuning_at_once(tmp_path: Path) -> None:
+    procs = [_spawn(tmp_path, 0.02), _spawn(tmp_path, 0.02)]
+    results = [_result(p) for p in procs]
+    assert results[0]["config"] == results[1]["config"]
+    files = list((tmp_path / "tuning").glob("*.json"))
+    assert len(files) == 1
+    assert TuneEntry.model_validate_json(files[0].read_text()).config.model_dump() == results[0]["config"]
+    assert not list((tmp_path / "tuning").glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_tune_command_needs_a_gpu() -> None:
+    proc = subprocess.run([sys.executable, "-m", "coda", "tune", "plain", "--shape", "64,64,64"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "tuning needs a CUDA GPU" in proc.stderr
+
+
+def test_tune_command_rejects_bad_targets() -> None:
+    from coda.cli import load_epilogue, parse_shape
+
+    with pytest.raises(SystemExit, match="not 'plain' or 'module:epilogue'"):
+        load_epilogue("nocolon")
+    with pytest.raises(SystemExit, match="is not a @coda.epilogue"):
+        load_epilogue("coda:gemm")
+    with pytest.raises(SystemExit, match="M,N,K"):
+        parse_shape("1,2")

@@ -96,6 +96,8 @@ def test_prune_accumulator_registers() -> None:
 def test_prune_tiles_far_larger_than_the_problem() -> None:
     cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8)
     assert "larger than the problem" in autotune.prune_reason(swiglu.graph, cfg, 2, 2, 16, 16384)
+    small = Config(block_m=64, block_n=64, block_k=64)
+    assert autotune.prune_reason(swiglu.graph, small, 2, 2, 16, 16) is None
 
 
 def test_prune_tma_store_without_tile_outputs() -> None:
@@ -204,10 +206,21 @@ def test_failing_configs_are_skipped(fake_measure: list[Config], monkeypatch: py
     assert cfg.block_n != 256
 
 
-def test_spilling_configs_are_skipped(fake_measure: list[Config]) -> None:
+def test_spilling_configs_lose_to_clean_ones(fake_measure: list[Config]) -> None:
     cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
                           lambda c: 12 if c.block_n == 256 else 0)
     assert cfg.block_n != 256
+
+
+def test_when_every_config_uses_local_memory_the_fastest_wins(fake_measure: list[Config]) -> None:
+    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
+                          lambda c: 32)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, 256, 3)
+
+
+def test_tiny_problems_keep_candidates() -> None:
+    space = autotune.config_space("bfloat16")
+    assert any(autotune.prune_reason(swiglu.graph, c, 2, 2, 20, 22) is None for c in space)
 
 
 def test_no_runnable_config_is_an_error(fake_measure: list[Config]) -> None:

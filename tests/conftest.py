@@ -10,9 +10,15 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 import coda  # noqa: F401  (chooses the interpreter before Triton is imported)
 from coda.runtime import interpreting
+
+# CI runs a fixed sequence of examples (a red run is reproducible); locally they vary.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 GPU = not interpreting()
 DEVICE = torch.device("cuda" if GPU else "cpu")

@@ -75,13 +75,13 @@ def test_prune_grouped_reduction_needs_whole_groups() -> None:
 
 
 def test_prune_shared_memory() -> None:
-    cfg = Config(block_m=256, block_n=256, block_k=128, num_warps=8, num_stages=4)
+    cfg = Config(block_m=256, block_n=256, block_k=128, num_warps=8, num_stages=4, tma_store=False)
     assert autotune.smem_bytes(swiglu.graph, cfg, 2, 2) == 4 * 512 * 128 * 2
     assert "shared memory" in autotune.prune_reason(swiglu.graph, cfg.model_copy(update={"num_warps": 16}), 2, 2, 8192, 8192)
 
 
 def test_prune_tma_store_staging_counts() -> None:
-    cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma_store=False)
     assert autotune.prune_reason(grouped.graph, cfg, 2, 2, 8192, 8192) is None
     with_tma = cfg.model_copy(update={"tma_store": True})
     assert autotune.smem_bytes(grouped.graph, with_tma, 2, 2) == 4 * 384 * 64 * 2 + 128 * 256 * 2
@@ -104,6 +104,13 @@ def test_prune_tma_store_without_tile_outputs() -> None:
     only_red = coda.epilogue(lambda acc: coda.reduce_n(acc, "max"))
     cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, tma_store=True)
     assert "no tile outputs" in autotune.prune_reason(only_red.graph, cfg, 2, 2, 8192, 8192)
+
+
+def test_reduction_only_epilogues_keep_candidates(fake_measure: list[Config]) -> None:
+    only_red = coda.epilogue(lambda acc: coda.reduce_n(acc, "logsumexp"))
+    cfg = autotune.choose(only_red.graph, key(graph=only_red.graph.hash), "bfloat16", 2, 2, 8192, 16384, 2048,
+                          fake_measure.append, lambda c: None)
+    assert not cfg.tma_store and not any(c.tma_store for c in fake_measure)
 
 
 def test_config_space_is_pruned_per_graph() -> None:

@@ -115,6 +115,8 @@ class EpilogueEmitter:
         elif spec.kind == Kind.VEC_N:
             c, mk = self._col_names(spec.frac_width)
             expr = f"tl.load({base}_ptr + {c} * {base}_s0, mask={mk}, other=0)[None, :]"
+        elif node.name in self.spec.tma_tiles:  # the descriptor zero-fills the ragged edges
+            expr = f"{base}_ptr.load([off_m, {col_start(spec.frac_width)}])"
         else:
             c, mk = self._col_names(spec.frac_width)
             expr = (

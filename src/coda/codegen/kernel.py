@@ -56,6 +56,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
         "load_a": "\n".join(load_a),
         "load_b": "\n".join(load_b),
         "dot_options": dot_options,
+        "rows": "rows = offs_m.to(tl.int64)" if spec.wide else "rows = offs_m",
         "columns": "\n".join(columns),
         "operand_loads": "\n".join(emitter.loads),
         "body": "\n".join(emitter.body),

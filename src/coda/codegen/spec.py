@@ -39,6 +39,8 @@ class Specialization(BaseModel):
     store_dtypes: tuple[tuple[str, Literal["float16", "bfloat16", "float32"]], ...]
     interpret: bool
     tma_stores: tuple[str, ...] = ()  # tile outputs written through TMA descriptors
+    tma_tiles: tuple[str, ...] = ()  # Tile operands read through TMA descriptors
+    wide: bool = True  # int64 row offsets: some tensor spans 2**31 elements or more
 
     def key(self) -> str:
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

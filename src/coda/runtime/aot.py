@@ -53,7 +53,10 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
         if s.kind == Kind.SCALAR and form.dtype is None:
             sig[names[0]] = "fp32"
             continue
-        sig[names[0]] = f"*{_SHORT[form.dtype]}"
+        if s.name in spec.tma_tiles:
+            sig[names[0]] = f"tensordesc<{_SHORT[form.dtype]}[{cfg.block_m}, {int(cfg.block_n * s.frac_width)}]>"
+        else:
+            sig[names[0]] = f"*{_SHORT[form.dtype]}"
         for n in names[1:]:
             sig[n] = "i32"
     stores = dict(spec.store_dtypes)
@@ -99,8 +102,10 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
 
 def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
                 operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None,
-                tma_stores: bool = False) -> Specialization:
-    """A GPU specialization for AOT tests: operands default to fp32 tensors (Python numbers for Scalars)."""
+                tma_stores: bool = True, tma_tiles: bool = True, wide: bool = False) -> Specialization:
+    """A GPU specialization for AOT tests, as the runtime makes one for aligned inputs of moderate
+    size (TMA Tile loads and stores, int32 row offsets); operands default to fp32 tensors, Scalars
+    to numbers."""
     operand_dtypes = operand_dtypes or {}
     forms = tuple(
         OperandForm(name=s.name, dtype=operand_dtypes.get(s.name, None if s.kind == Kind.SCALAR else "float32"))
@@ -109,7 +114,9 @@ def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_
     stores = tuple((o.name, store_dtype or in_dtype) for o in graph.outputs if isinstance(o, StoreOutput))
     return Specialization(in_dtype=in_dtype, a_load=a_load, b_load=b_load, operands=forms,
                           store_dtypes=stores, interpret=False,
-                          tma_stores=tuple(name for name, _ in stores) if tma_stores else ())
+                          tma_stores=tuple(name for name, _ in stores) if tma_stores else (),
+                          tma_tiles=tuple(s.name for s in graph.operands if s.kind == Kind.TILE) if tma_tiles else (),
+                          wide=wide)
 
 
 __all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES", "ReduceOutput"]

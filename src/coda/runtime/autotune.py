@@ -228,7 +228,10 @@ def choose(
     def keep(cfg: Config) -> bool:
         return prune_reason(graph, cfg, in_size, out_size, m, n) is None
 
-    configs = [c for c in config_space(in_dtype) if keep(c)]
+    space = config_space(in_dtype)
+    if not any(isinstance(o, StoreOutput) for o in graph.outputs):  # nothing to store through TMA
+        space = [c.model_copy(update={"tma_store": False}) for c in space]
+    configs = [c for c in space if keep(c)]
     return tune(graph, key, configs, launch, spills, keep).config
 
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..ir.graph import Graph
-from ..ir.nodes import ReduceOutput
+from ..ir.nodes import ReduceOutput, StoreOutput
 
 
 def _pow2(x: int) -> bool:
@@ -25,7 +25,7 @@ class Config(BaseModel):
     num_warps: int = 4
     num_stages: int = 3
     flatten: bool = False  # tl.range(flatten=True): pipeline across the tile loop too
-    tma_store: bool = False  # store tile outputs through TMA descriptors where legal
+    tma_store: bool = True  # store tile outputs through TMA descriptors where legal (no pointer tiles)
 
     def model_post_init(self, _context: object) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -50,6 +50,12 @@ def check_config(graph: Graph, config: Config) -> None:
         raise ValueError(f"Config.block_n={config.block_n} is too small: grouped reductions need block_n >= {need}")
 
 
+def _heavy(graph: Graph) -> bool:
+    """Tile operands or several outputs: a 128x256 tile would spill (seen in sm_90 AOT compiles)."""
+    stores = sum(isinstance(o, StoreOutput) for o in graph.outputs)
+    return stores > 1 or len(graph.outputs) > 2 or any(s.kind.value == "tile" for s in graph.operands)
+
+
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int) -> Config:
     """A reasonable config without tuning."""
     if interpret:
@@ -57,7 +63,7 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
         cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
     elif in_dtype == "float32":
         cfg = Config(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
-    elif graph.uses_width(Fraction(2)):  # width-2 tiles double the epilogue's registers
+    elif graph.uses_width(Fraction(2)) or _heavy(graph):  # keep the epilogue's tiles in registers
         cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True)
     else:  # the H200 sweep's most robust winner (bench/results/sweep)
         cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)

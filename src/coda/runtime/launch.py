@@ -11,6 +11,7 @@ import triton
 from ..codegen import OperandForm, Specialization, generate
 from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
+from ..ir.types import Kind
 from ..ir.trace import trace
 from .. import __version__
 from ..templates import TEMPLATE_VERSION
@@ -53,13 +54,29 @@ def operand_load(t: torch.Tensor) -> str:
 def _tma_store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
     """A TMA store needs an aligned row-major target and a box of at most 256 per dim."""
     cols = cfg.block_n * call.graph.node(o.x).frac_width
-    if cols > 256 or cfg.block_m > 256:
+    if cols > 256 or cfg.block_m > 256 or cols * call.out_dtype(o).itemsize < 16:
         return False
     t = call.out.get(o.name)
     if t is None:  # gemm() allocates it row-major; only the row pitch can break alignment
         row_bytes = call.output_shape(o)[1] * call.out_dtype(o).itemsize
         return row_bytes % 16 == 0
     return _tma_ok(t, 1)
+
+
+def _tma_tile_ok(call: Call, name: str, cfg: Config) -> bool:
+    spec = next(s for s in call.graph.operands if s.name == name)
+    t = call.operands[name]
+    cols = cfg.block_n * spec.frac_width
+    return (t.dtype != torch.bool and cols <= 256 and cfg.block_m <= 256 and cols * t.element_size() >= 16
+            and _tma_ok(t, 1))
+
+
+def _wide(call: Call) -> bool:
+    """Whether row offsets need int64: some tensor the epilogue indexes spans >= 2**31 elements."""
+    tensors = [t for t in call.operands.values() if isinstance(t, torch.Tensor)] + list(call.out.values())
+    spans = [sum((n - 1) * s for n, s in zip(t.shape, t.stride())) for t in tensors if t.numel()]
+    outputs = [call.m * max(call.n, 1) * 2]  # outputs gemm allocates: [M, width*N], width <= 2
+    return max(spans + outputs, default=0) >= 2**31 - 1
 
 
 def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:
@@ -69,16 +86,19 @@ def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tupl
             stores.append((o.name, IN_DTYPES[call.out_dtype(o)]))
             if cfg is not None and cfg.tma_store and _tma_store_ok(call, o, cfg):
                 tma.append(o.name)
+    tiles = tuple(s.name for s in call.graph.operands
+                  if s.kind == Kind.TILE and cfg is not None and _tma_tile_ok(call, s.name, cfg))
     forms = tuple((f.name, f.dtype) for f in call.forms)
-    return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret, tuple(tma))
+    return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret, tuple(tma),
+            tiles, _wide(call))
 
 
 def _make_spec(fields: tuple) -> Specialization:
-    in_dtype, a_load, b_load, forms, stores, interpret, tma = fields
+    in_dtype, a_load, b_load, forms, stores, interpret, tma, tiles, wide = fields
     return Specialization(
         in_dtype=in_dtype, a_load=a_load, b_load=b_load,
         operands=tuple(OperandForm(name=n, dtype=d) for n, d in forms),
-        store_dtypes=stores, interpret=interpret, tma_stores=tma,
+        store_dtypes=stores, interpret=interpret, tma_stores=tma, tma_tiles=tiles, wide=wide,
     )
 
 

@@ -41,7 +41,7 @@ class Plan:
     static: dict[str, object]  # sizes, strides and constexprs
     block_a: tuple[int, int]
     block_b: tuple[int, int]
-    operands: list[tuple[str, Kind, list[str], bool]]  # name, kind, arg names, is a Python number
+    operands: list[tuple[str, Kind, list[str], bool, list[int] | None]]  # name, kind, args, number?, TMA box
     outs: list[_Out]
     grid: tuple[int]
 
@@ -59,7 +59,8 @@ class Plan:
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         }
         forms = {f.name: f for f in spec.operands}
-        operands = [(s.name, s.kind, operand_args(s, forms[s.name]), forms[s.name].dtype is None and s.kind == Kind.SCALAR)
+        operands = [(s.name, s.kind, operand_args(s, forms[s.name]), forms[s.name].dtype is None and s.kind == Kind.SCALAR,
+                     [cfg.block_m, int(cfg.block_n * s.frac_width)] if s.name in spec.tma_tiles else None)
                     for s in graph.operands]
         outs = []
         for o in graph.outputs:
@@ -82,14 +83,15 @@ class Plan:
         args = dict(self.static)
         args["a_src"] = _descriptor(a, self.spec.a_load, *self.block_a)
         args["b_src"] = _descriptor(b, self.spec.b_load, *self.block_b)
-        for name, kind, names, number in self.operands:
+        for name, kind, names, number, box in self.operands:
             v = operands[name]
             if number:
                 args[names[0]] = float(v)
             elif kind == Kind.SCALAR:
                 args[names[0]] = v
             elif kind == Kind.TILE:
-                args[names[0]], args[names[1]], args[names[2]] = v, v.stride(0), v.stride(1)
+                args[names[0]] = TensorDescriptor.from_tensor(v, box) if box else v
+                args[names[1]], args[names[2]] = v.stride(0), v.stride(1)
             else:
                 args[names[0]], args[names[1]] = v, v.stride(0)
         results: dict[str, torch.Tensor] = {}

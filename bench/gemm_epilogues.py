@@ -114,7 +114,6 @@ def bench_gemm(coda) -> None:
         ref = a.float() @ w.float().T
         record("gemm", (m, n, k), "cublas_gemm", lambda: a @ w.T, lambda r: rel_err(r, ref))
         record("gemm", (m, n, k), "coda_gemm", lambda: coda.gemm(a, w.T), lambda r: rel_err(r, ref))
-        del ref
 
 
 def bench_rmsnorm_gemm(coda, lg, m: int, d: int, ffn: int, modes: list[str]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..codegen import OperandForm, Specialization, generate, operand_args, output_args
 from ..ir.graph import Graph
-from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
 from .config import Config, check_config
@@ -119,4 +119,4 @@ def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_
                           wide=wide)
 
 
-__all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES", "ReduceOutput"]
+__all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES"]

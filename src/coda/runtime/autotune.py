@@ -24,10 +24,8 @@ from typing import Callable
 import triton
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .. import __version__
 from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
-from ..templates import TEMPLATE_VERSION
 from .cache import atomic_write, cache_dir
 from .config import Config, check_config, default_config, min_block_n
 

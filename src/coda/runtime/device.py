@@ -15,10 +15,6 @@ def interpreting() -> bool:
     return INTERPRET
 
 
-def kernel_device() -> torch.device:
-    return torch.device("cpu") if interpreting() else torch.device("cuda")
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

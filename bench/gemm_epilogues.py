@@ -359,7 +359,7 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def merge(parts: list[Path], out: Path, name: str) -> None:
+def merge(parts: list[Path], out: Path, name: str, note: str | None = None) -> None:
     rows, notes, meta = [], [], None
     for p in parts:
         data = json.loads(p.read_text())
@@ -368,9 +368,12 @@ def merge(parts: list[Path], out: Path, name: str) -> None:
         meta = meta or data["meta"]
     summary = summarize(rows)
     out.mkdir(parents=True, exist_ok=True)
+    if note:
+        meta = {**meta, "note": note}
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary, "notes": notes}, indent=1))
     md = [f"# {name}", "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, coda {meta['coda']}.", "",
           meta["protocol"], "", f"Produced by `bench/gemm_epilogues.py` (parts: {', '.join(p.name for p in parts)}).", "",
+          *([note, ""] if note else []),
           table(summary), ""]
     if notes:
         md += ["Notes (variants that failed or were skipped):", ""] + [f"* {n}" for n in notes] + [""]
@@ -386,9 +389,10 @@ def main() -> None:
     p.add_argument("--part", default="part", help="name of the JSON written by a measuring run")
     p.add_argument("--name", default="gemm_epilogues")
     p.add_argument("--merge", nargs="*", type=Path, help="merge measured parts into <out>/<name>.{json,md,png}")
+    p.add_argument("--note", help="with --merge: a line for the table (e.g. which commit was measured)")
     args = p.parse_args()
     if args.merge:
-        merge(args.merge, args.out, args.name)
+        merge(args.merge, args.out, args.name, args.note)
         return
     if not torch.cuda.is_available():
         sys.exit("gemm_epilogues.py measures on a CUDA GPU; --merge runs anywhere")

@@ -11,9 +11,10 @@ from .ir.trace import (  # noqa: E402
 from .ir.types import Scalar, Tile, VecM, VecN  # noqa: E402
 from .epilogue import Epilogue, epilogue  # noqa: E402
 from .runtime import Config, gemm  # noqa: E402
+from . import ops  # noqa: E402  (built on the API above)
 
 __all__ = [
-    "__version__", "Epilogue", "epilogue", "gemm", "Config",
+    "__version__", "Epilogue", "epilogue", "gemm", "Config", "ops",
     "Scalar", "VecM", "VecN", "Tile",
     "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh", "relu", "sin", "cos", "abs",
     "square", "maximum", "minimum", "where", "pairs", "interleave", "row_index", "col_index",

@@ -1,0 +1,12 @@
+"""coda.ops: Transformer operators as GEMM-epilogue programs, with autograd and torch.library ops."""
+
+from . import epilogues
+from .cross_entropy import linear_cross_entropy
+from .layout import interleave_gate_up, permute_rope_rows, rope_pair_permutation, split_gate_up, unpermute_rope_rows
+from .rmsnorm_linear import rmsnorm_linear
+from .swiglu_mlp import swiglu_mlp
+
+__all__ = [
+    "epilogues", "linear_cross_entropy", "rmsnorm_linear", "swiglu_mlp",
+    "interleave_gate_up", "split_gate_up", "rope_pair_permutation", "permute_rope_rows", "unpermute_rope_rows",
+]

@@ -1,0 +1,76 @@
+"""The Transformer epilogues of TRANSFORMER.md, one per fused unit, forward and backward.
+
+Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference checkable
+(`.reference`). Statistics are fp32 (reductions always are; vector operands are passed fp32).
+"""
+
+from __future__ import annotations
+
+from ..epilogue import epilogue
+from ..ir.trace import col_index, exp, interleave, pairs, reduce_m, reduce_n, sigmoid, silu, where
+from ..ir.types import Tile, VecM, VecN
+
+
+@epilogue
+def residual_norm_stats(acc, residual: Tile, norm_weight: VecN):
+    """Section 1, producer: x = acc + residual, h = x * g (next GEMM's input), per-row sum x^2."""
+    x = acc + residual
+    return {"x": x, "h": x * norm_weight, "sumsq": reduce_n(x * x, "sum")}
+
+
+@epilogue
+def row_scale(acc, rstd: VecM):
+    """Section 1, consumer: the RMSNorm row scale applied after the matmul."""
+    return acc * rstd
+
+
+@epilogue
+def rms_swiglu(acc, rstd: VecM):
+    """Section 2: z = acc * rstd (saved for backward), y = silu(gate) * up over interleaved pairs."""
+    z = acc * rstd
+    gate, up = pairs(z)
+    return {"z": z, "y": silu(gate) * up}
+
+
+@epilogue
+def swiglu_save(acc):
+    """Section 2 without a norm in front: z = acc (saved), y = silu(gate) * up."""
+    gate, up = pairs(acc)
+    return {"z": acc, "y": silu(gate) * up}
+
+
+@epilogue
+def lm_head_stats(acc, target: VecM):
+    """Section 4 forward: per-row logsumexp and target logit; the logits are never stored."""
+    return {
+        "lse": reduce_n(acc, "logsumexp"),
+        "target_logit": reduce_n(where(col_index() == target, acc, 0.0), "sum"),
+    }
+
+
+@epilogue
+def cross_entropy_grad(acc, lse: VecM, target: VecM, scale: VecM):
+    """Section 4 backward: dl = (softmax(l) - onehot(target)) * scale, from recomputed logits."""
+    return (exp(acc - lse) - where(col_index() == target, 1.0, 0.0)) * scale
+
+
+@epilogue
+def rmsnorm_backward(acc, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: VecM):
+    """Section 5: acc = gq = dz @ W. dx = r*(g*gq) - r^2 * x * zdz/D; the normalized input
+    r*x*g for the weight gradient; per-column partials of dg = sum_rows gq * r * x."""
+    return {
+        "dx": rstd * (norm_weight * acc) - rstd * rstd * x * zdz_over_d,
+        "normed": rstd * x * norm_weight,
+        "dg": reduce_m(acc * rstd * x, "sum"),
+    }
+
+
+@epilogue
+def swiglu_backward(acc, z: Tile(width=2)):
+    """Section 6: acc = d = dY @ W_down. dz = interleave(dgate, dup) (width 2), y recomputed
+    for dW_down, and zdz = sum(gate*dgate + up*dup) per row for the RMSNorm backward."""
+    gate, up = pairs(z)
+    s = sigmoid(gate)
+    dgate = acc * up * s * (1.0 + gate * (1.0 - s))
+    dup = acc * gate * s
+    return {"dz": interleave(dgate, dup), "y": gate * s * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}

@@ -1,0 +1,41 @@
+"""Weight-layout helpers: the free permutations that turn SwiGLU and RoPE into pair
+transforms (TRANSFORMER.md sections 2-3), each with its exact inverse."""
+
+from __future__ import annotations
+
+import torch
+
+
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """[F, D] gate and up weights -> [2F, D] with rows g0, u0, g1, u1, ... (for coda.pairs)."""
+    if w_gate.shape != w_up.shape or w_gate.dim() != 2:
+        raise ValueError(f"interleave_gate_up: gate {list(w_gate.shape)} and up {list(w_up.shape)} must be equal 2-D shapes")
+    return torch.stack([w_gate, w_up], dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
+
+
+def split_gate_up(w_gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of interleave_gate_up (also splits a gradient in that layout)."""
+    if w_gu.dim() != 2 or w_gu.shape[0] % 2:
+        raise ValueError(f"split_gate_up: expected [2F, D], got {list(w_gu.shape)}")
+    pairs = w_gu.reshape(w_gu.shape[0] // 2, 2, w_gu.shape[1])
+    return pairs[:, 0], pairs[:, 1]
+
+
+def rope_pair_permutation(n_heads: int, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Row order that puts each half-split RoPE pair (i, i + head_dim/2) of every head in
+    adjacent rows: new row 2i (+ head offset) is old row i, new row 2i+1 is old row i + head_dim/2."""
+    if head_dim % 2:
+        raise ValueError(f"rope_pair_permutation: head_dim must be even, got {head_dim}")
+    half = torch.arange(head_dim // 2, device=device)
+    per_head = torch.stack([half, half + head_dim // 2], dim=1).reshape(head_dim)
+    return (torch.arange(n_heads, device=device)[:, None] * head_dim + per_head).reshape(-1)
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """q or k projection weight [n_heads*head_dim, D] in the pair-adjacent row order."""
+    return w[rope_pair_permutation(n_heads, head_dim, w.device)]
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of permute_rope_rows (rows, or the columns of a [.., n_heads*head_dim] output via .T)."""
+    return w[torch.argsort(rope_pair_permutation(n_heads, head_dim, w.device))]

@@ -1,0 +1,76 @@
+"""rmsnorm_linear(x, g, W) = F.linear(F.rms_norm(x, g), W), with the norm inside the GEMMs.
+
+Forward: rstd per row, then (x*g) @ W.T with the row scale in the epilogue (TRANSFORMER.md 1).
+Backward: one GEMM dy @ W whose epilogue gives dx, the normalized input and dg partials
+(section 5, with zdz = sum_k y_k dy_k), then dW = dy.T @ normed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import gemm
+from .epilogues import rmsnorm_backward, row_scale
+
+
+def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1 or norm_weight.shape != (x.shape[-1],) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"rmsnorm_linear: x {list(x.shape)}, norm_weight {list(norm_weight.shape)} and weight "
+            f"{list(weight.shape)} must be [..., D], [D] and [N, D]"
+        )
+
+
+@torch.library.custom_op("coda::rmsnorm_linear_fwd", mutates_args=())
+def _fwd(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    h = (xf * norm_weight.float()).to(x.dtype)  # in a block, the producer GEMM's epilogue stores this
+    return gemm(h, weight.T, row_scale, rstd=rstd), rstd
+
+
+@_fwd.register_fake
+def _(x, norm_weight, weight, eps):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("coda::rmsnorm_linear_bwd", mutates_args=())
+def _bwd(dy: torch.Tensor, y: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dy = dy.contiguous()
+    zdz = (y.float() * dy.float()).sum(-1)  # the row term, from where dy is produced (section 5)
+    out = gemm(dy, weight, rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
+               zdz_over_d=zdz / x.shape[-1])
+    dw = gemm(dy.T, out["normed"])
+    return out["dx"], out["dg"].to(norm_weight.dtype), dw
+
+
+@_bwd.register_fake
+def _(dy, y, x, norm_weight, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, norm_weight, weight, _ = inputs
+    y, rstd = output
+    ctx.save_for_backward(x, norm_weight, weight, y, rstd)
+
+
+def _backward(ctx, dy, _drstd):
+    x, norm_weight, weight, y, rstd = ctx.saved_tensors
+    dx, dg, dw = _bwd(dy, y, x, norm_weight, weight, rstd)
+    return dx, dg, dw, None
+
+
+torch.library.register_autograd("coda::rmsnorm_linear_fwd", _backward, setup_context=_setup)
+
+
+def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """F.linear(F.rms_norm(x, (D,), norm_weight, eps), weight) with gradients for all three.
+
+    x: [..., D]; norm_weight: [D]; weight: [N, D] (nn.Linear layout). Returns [..., N].
+    """
+    _check(x, norm_weight, weight)
+    lead = x.shape[:-1]
+    y, _ = _fwd(x.reshape(-1, x.shape[-1]), norm_weight, weight, float(eps))
+    return y.reshape(*lead, weight.shape[0])

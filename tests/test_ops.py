@@ -1,0 +1,232 @@
+"""coda.ops against plain PyTorch in the standard layout: forward, every gradient,
+leading batch dims, ragged shapes, fp32 (tight) and bf16 (dtype-derived), torch.compile.
+
+Composite ops are compared by relative Frobenius error: in fp32 a few ulps of
+accumulation (K * eps32); in bf16 one rounding (at most 2^-9 relative) per stored
+intermediate on each side, since coda and PyTorch round at different points: up to three
+per side here (e.g. SwiGLU: coda stores z, y, out; PyTorch gate/up, the product, out),
+so 6 * 2^-9 = ROUNDINGS * EPS[bf16].
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coda
+from coda.ops import epilogues as E
+from conftest import DEVICE, EPS, GPU, scale
+
+ROUNDINGS = 3
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def limit(dtype: torch.dtype, k: int) -> float:
+    """Relative-error bound: fp32 accumulation over K (with headroom) or bf16/fp16 roundings."""
+    if dtype == torch.float32:
+        return 16 * math.sqrt(k) * EPS[torch.float32]
+    return ROUNDINGS * EPS[dtype]
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, k: int, what: str) -> None:
+    err = rel(out, ref)
+    assert err <= limit(dtype, k), f"{what}: relative error {err:.3g} > {limit(dtype, k):.3g}"
+
+
+def leaf(*shape: int, dtype: torch.dtype, s: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * s).to(dtype).requires_grad_()
+
+
+def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], dout: torch.Tensor | None = None) -> tuple:
+    return torch.autograd.grad(out, inputs, dout)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [((2, 9), 24, 40), ((19,), 32, 22)]  # (leading dims, D, N): ragged M and N
+
+
+# -- layout helpers --------------------------------------------------------------------------
+
+def test_gate_up_interleave_round_trip() -> None:
+    g, u = torch.randn(6, 5), torch.randn(6, 5)
+    w = coda.ops.interleave_gate_up(g, u)
+    assert torch.equal(w[0::2], g) and torch.equal(w[1::2], u)
+    g2, u2 = coda.ops.split_gate_up(w)
+    assert torch.equal(g2, g) and torch.equal(u2, u)
+
+
+def test_rope_permutation_is_a_pair_adjacent_inverse() -> None:
+    w = torch.randn(3 * 8, 4)
+    p = coda.ops.permute_rope_rows(w, 3, 8)
+    assert torch.equal(p[0], w[0]) and torch.equal(p[1], w[4]) and torch.equal(p[9], w[8 + 4])
+    assert torch.equal(coda.ops.unpermute_rope_rows(p, 3, 8), w)
+    perm = coda.ops.rope_pair_permutation(3, 8)
+    assert sorted(perm.tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: coda.ops.interleave_gate_up(torch.zeros(2, 3), torch.zeros(3, 3)), "must be equal 2-D shapes"),
+    (lambda: coda.ops.split_gate_up(torch.zeros(3, 3)), r"expected \[2F, D\]"),
+    (lambda: coda.ops.rope_pair_permutation(2, 7), "head_dim must be even"),
+])
+def test_layout_errors(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# -- rmsnorm_linear ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead,d,n", SHAPES)
+def test_rmsnorm_linear(dtype: torch.dtype, lead: tuple[int, ...], d: int, n: int) -> None:
+    d, n = scale(d, 8 * d), scale(n, 8 * n)
+    x, g, w = leaf(*lead, d, dtype=dtype), leaf(d, dtype=dtype), leaf(n, d, dtype=dtype, s=d**-0.5)
+    y = coda.ops.rmsnorm_linear(x, g, w, eps=1e-5)
+    ref = F.linear(F.rms_norm(x, (d,), g, 1e-5), w)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    close(y, ref, dtype, d, "y")
+    dy = torch.randn_like(ref)
+    for name, a, b in zip("xgw", grads(y, (x, g, w), dy), grads(ref, (x, g, w), dy)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        close(a, b, dtype, max(n, math.prod(lead)), f"d{name}")
+
+
+def test_rmsnorm_linear_checks_shapes() -> None:
+    with pytest.raises(ValueError, match=r"must be \[..., D\], \[D\] and \[N, D\]"):
+        coda.ops.rmsnorm_linear(torch.zeros(4, 8), torch.zeros(7), torch.zeros(3, 8))
+
+
+# -- swiglu_mlp ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead,d,f", [((2, 7), 16, 24), ((13,), 24, 20)])
+def test_swiglu_mlp(dtype: torch.dtype, lead: tuple[int, ...], d: int, f: int) -> None:
+    d, f = scale(d, 8 * d), scale(f, 8 * f)
+    x = leaf(*lead, d, dtype=dtype)
+    wg, wu, wd = (leaf(f, d, dtype=dtype, s=d**-0.5), leaf(f, d, dtype=dtype, s=d**-0.5),
+                  leaf(d, f, dtype=dtype, s=f**-0.5))
+    out = coda.ops.swiglu_mlp(x, wg, wu, wd)
+    ref = F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    close(out, ref, dtype, max(d, f), "out")
+    dout = torch.randn_like(ref)
+    names = ("x", "w_gate", "w_up", "w_down")
+    for name, a, b in zip(names, grads(out, (x, wg, wu, wd), dout), grads(ref, (x, wg, wu, wd), dout)):
+        assert a.shape == b.shape
+        close(a, b, dtype, max(d, f, math.prod(lead)), f"d{name}")
+
+
+def test_swiglu_mlp_checks_shapes() -> None:
+    with pytest.raises(ValueError, match=r"must be \[..., D\], \[F, D\], \[F, D\], \[D, F\]"):
+        coda.ops.swiglu_mlp(torch.zeros(4, 8), torch.zeros(6, 8), torch.zeros(6, 8), torch.zeros(6, 8))
+
+
+# -- linear_cross_entropy ----------------------------------------------------------------------
+
+def reference_ce(x, w, t, ignore_index=-100, reduction="mean"):
+    return F.cross_entropy(F.linear(x, w).float().reshape(-1, w.shape[0]), t.reshape(-1),
+                           ignore_index=ignore_index, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("lead,d,v", [((3, 6), 16, 50), ((21,), 24, 37)])
+def test_linear_cross_entropy(dtype: torch.dtype, reduction: str, lead: tuple[int, ...], d: int, v: int) -> None:
+    d, v = scale(d, 8 * d), scale(v, 64 * v)
+    x, w = leaf(*lead, d, dtype=dtype), leaf(v, d, dtype=dtype, s=0.5)
+    t = torch.randint(0, v, lead, device=DEVICE)
+    t.view(-1)[1] = -100
+    t.view(-1)[-1] = v - 1  # the last (ragged-tile) column is a target
+    loss, ref = coda.ops.linear_cross_entropy(x, w, t, reduction=reduction), reference_ce(x, w, t, reduction=reduction)
+    assert loss.shape == () and loss.dtype == torch.float32
+    close(loss, ref, dtype, d, "loss")
+    for name, a, b in zip("xw", grads(loss, (x, w)), grads(ref, (x, w))):
+        close(a, b, dtype, max(d, v), f"d{name}")
+
+
+def test_linear_cross_entropy_custom_ignore_index() -> None:
+    x, w = leaf(10, 16, dtype=torch.float32), leaf(30, 16, dtype=torch.float32)
+    t = torch.randint(0, 30, (10,), device=DEVICE)
+    t[::3] = 7  # class 7 is ignored, also where it would be the target
+    loss, ref = coda.ops.linear_cross_entropy(x, w, t, ignore_index=7), reference_ce(x, w, t, ignore_index=7)
+    close(loss, ref, torch.float32, 16, "loss")
+    close(grads(loss, (w,))[0], grads(ref, (w,))[0], torch.float32, 30, "dw")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_all_ignored(reduction: str) -> None:
+    """Like PyTorch: mean over no valid target is nan, sum is 0; gradients match PyTorch's."""
+    x, w = leaf(6, 16, dtype=torch.float32), leaf(30, 16, dtype=torch.float32)
+    t = torch.full((6,), -100, device=DEVICE)
+    loss, ref = coda.ops.linear_cross_entropy(x, w, t, reduction=reduction), reference_ce(x, w, t, reduction=reduction)
+    torch.testing.assert_close(loss, ref, equal_nan=True)
+    for a, b in zip(grads(loss, (x, w)), grads(ref, (x, w))):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(4, dtype=torch.long),
+                                           reduction="none"), ValueError, "reduction must be one of"),
+    (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 7), torch.zeros(4, dtype=torch.long)),
+     ValueError, r"must be \[..., D\], \[V, D\]"),
+    (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(5, dtype=torch.long)),
+     ValueError, "must have x's leading shape"),
+    (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(4)),
+     TypeError, "integer class ids"),
+])
+def test_linear_cross_entropy_errors(call, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# -- the backward epilogues' algebra ------------------------------------------------------------
+
+def test_zdz_identity_and_swiglu_backward_epilogue() -> None:
+    """sum_j y_j gq_j == sum_k z_k dz_k (TRANSFORMER.md 5), and the SwiGLU-backward epilogue
+    gives autograd's dz, the recomputed y and zdz = sum(z * dz)."""
+    m, f, d = 11, 12, 16
+    z = torch.randn(m, 2 * f, device=DEVICE)
+    dy, w_down = torch.randn(m, d, device=DEVICE), torch.randn(d, f, device=DEVICE)
+    out = coda.gemm(dy, w_down, E.swiglu_backward, z=z)
+    zz = z.clone().requires_grad_()
+    gate, up = zz[:, 0::2], zz[:, 1::2]
+    y = F.silu(gate) * up
+    (dz,) = torch.autograd.grad(y, zz, dy @ w_down)
+    close(out["dz"], dz, torch.float32, d, "dz")
+    close(out["y"], y, torch.float32, d, "y")
+    close(out["zdz"], (z * dz).sum(-1), torch.float32, d, "zdz")
+    h, w = torch.randn(m, d, device=DEVICE), torch.randn(2 * f, d, device=DEVICE)
+    zf = h @ w.T
+    dzf = torch.randn_like(zf)
+    close((h * (dzf @ w)).sum(-1), (zf * dzf).sum(-1), torch.float32, d, "identity")
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+def test_fullgraph_compile_parity() -> None:
+    """All three ops trace into one graph (custom ops with fake kernels) and give the same results."""
+    torch._dynamo.reset()
+    x = leaf(2, 5, 16, dtype=torch.float32)
+    g, w = leaf(16, dtype=torch.float32), leaf(24, 16, dtype=torch.float32)
+    wg, wu, wd = leaf(12, 24, dtype=torch.float32), leaf(12, 24, dtype=torch.float32), leaf(24, 12, dtype=torch.float32)
+    wv = leaf(30, 24, dtype=torch.float32)
+    t = torch.randint(0, 30, (2, 5), device=DEVICE)
+
+    def block(x):
+        h = coda.ops.rmsnorm_linear(x, g, w)
+        h = h + coda.ops.swiglu_mlp(h, wg, wu, wd)
+        return coda.ops.linear_cross_entropy(h, wv, t)
+
+    eager = block(x)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if not GPU else "inductor")(x)
+    torch.testing.assert_close(compiled, eager)
+    params = (x, g, w, wg, wu, wd, wv)
+    for a, b in zip(grads(compiled, params), grads(eager, params)):
+        torch.testing.assert_close(a, b)

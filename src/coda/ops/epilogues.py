@@ -7,7 +7,7 @@ Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference ch
 from __future__ import annotations
 
 from ..epilogue import epilogue
-from ..ir.trace import col_index, exp, interleave, pairs, reduce_m, reduce_n, sigmoid, silu, where
+from ..ir.trace import col_index, cos, exp, interleave, pairs, reduce_m, reduce_n, sigmoid, silu, sin, where
 from ..ir.types import Tile, VecM, VecN
 
 
@@ -40,6 +40,16 @@ def swiglu_save(acc):
 
 
 @epilogue
+def rms_rope(acc, rstd: VecM, pos: VecM, freq: VecN(width=0.5)):
+    """Section 3: row scale, then rotate each adjacent column pair (a, b) by theta = pos * freq
+    (complex multiply by e^{i theta}); freq is 0 for the v columns, which pass unrotated."""
+    a, b = pairs(acc * rstd)
+    theta = pos * freq
+    c, s = cos(theta), sin(theta)
+    return interleave(a * c - b * s, a * s + b * c)
+
+
+@epilogue
 def lm_head_stats(acc, target: VecM):
     """Section 4 forward: per-row logsumexp and target logit; the logits are never stored."""
     return {
@@ -60,6 +70,17 @@ def rmsnorm_backward(acc, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: Ve
     r*x*g for the weight gradient; per-column partials of dg = sum_rows gq * r * x."""
     return {
         "dx": rstd * (norm_weight * acc) - rstd * rstd * x * zdz_over_d,
+        "normed": rstd * x * norm_weight,
+        "dg": reduce_m(acc * rstd * x, "sum"),
+    }
+
+
+@epilogue
+def rmsnorm_backward_residual(acc, grad: Tile, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: VecM):
+    """Section 5 with the residual gradient: dx = grad + (the RMSNorm input gradient), written
+    in place over `grad` (pass it also as out=)."""
+    return {
+        "dx": grad + rstd * (norm_weight * acc) - rstd * rstd * x * zdz_over_d,
         "normed": rstd * x * norm_weight,
         "dg": reduce_m(acc * rstd * x, "sum"),
     }

@@ -1,0 +1,152 @@
+"""One Llama-style block with shifted boundaries (TRANSFORMER.md 7), forward and backward.
+
+The segment runs from after layer l's attention to layer l+1's QKV projection:
+
+    x1 = x0 + attn_out @ Wo.T;  h = rms_norm(x1, g_ffn)
+    x2 = x1 + (silu(h Wg.T) * (h Wu.T)) @ Wdown.T;  n = rms_norm(x2, g_attn)
+    qkv = rope(n Wq.T), rope(n Wk.T), n Wv.T
+
+as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (elementwise) + 2
+RMSNorm-backward GEMMs (residual gradient accumulated in place) + the SwiGLU-backward GEMM
++ plain GEMMs backward. Attention stays outside. The qkv output keeps q and k in the
+pair-adjacent order of coda.ops.permute_rope_rows: attention scores are invariant to a
+permutation of head dimensions applied to both q and k, and v is unpermuted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import epilogues as E
+from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from ..runtime import gemm
+
+
+@dataclass
+class BlockWeights:
+    """Standard-layout weights (nn.Linear [out, in]) of the segment."""
+
+    wo: torch.Tensor  # [D, H*hd]
+    g_ffn: torch.Tensor  # [D]
+    w_gate: torch.Tensor  # [F, D]
+    w_up: torch.Tensor  # [F, D]
+    w_down: torch.Tensor  # [D, F]
+    g_attn: torch.Tensor  # [D]
+    wq: torch.Tensor  # [H*hd, D]
+    wk: torch.Tensor  # [KV*hd, D]
+    wv: torch.Tensor  # [KV*hd, D]
+    n_heads: int
+    n_kv_heads: int
+    eps: float = 1e-6
+    rope_base: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.wq.shape[0] // self.n_heads
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.wo, self.g_ffn, self.w_gate, self.w_up, self.w_down, self.g_attn, self.wq, self.wk, self.wv)
+
+    def inv_freq(self) -> torch.Tensor:
+        hd = self.head_dim
+        return self.rope_base ** (-torch.arange(0, hd, 2, device=self.wq.device, dtype=torch.float32) / hd)
+
+
+def _rope_freq(w: BlockWeights) -> torch.Tensor:
+    """Per column pair of the fused qkv output: the pair's frequency, 0 for v."""
+    inv = w.inv_freq()
+    nv = w.wv.shape[0] // 2
+    return torch.cat([inv.repeat(w.n_heads + w.n_kv_heads), inv.new_zeros(nv)])
+
+
+def _qkv_weight(w: BlockWeights) -> torch.Tensor:
+    hd = w.head_dim
+    return torch.cat([permute_rope_rows(w.wq, w.n_heads, hd), permute_rope_rows(w.wk, w.n_kv_heads, hd), w.wv])
+
+
+class _Segment(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, attn_out, x0, pos, w: BlockWeights, *tensors):
+        d = x0.shape[-1]
+        w_gu, w_qkv, freq = interleave_gate_up(w.w_gate, w.w_up), _qkv_weight(w), _rope_freq(w)
+        p1 = gemm(attn_out, w.wo.T, E.residual_norm_stats, residual=x0, norm_weight=w.g_ffn)
+        rstd1 = torch.rsqrt(p1["sumsq"] / d + w.eps)
+        c1 = gemm(p1["h"], w_gu.T, E.rms_swiglu, rstd=rstd1)
+        p2 = gemm(c1["y"], w.w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=w.g_attn)
+        rstd2 = torch.rsqrt(p2["sumsq"] / d + w.eps)
+        qkv = gemm(p2["h"], w_qkv.T, E.rms_rope, rstd=rstd2, pos=pos, freq=freq)
+        ctx.w = w
+        ctx.save_for_backward(attn_out, pos, p1["x"], rstd1, c1["z"], p2["x"], rstd2, qkv, w_gu, w_qkv, freq)
+        return p2["x"], qkv
+
+    @staticmethod
+    def backward(ctx, d_x2, d_qkv):
+        attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, w_gu, w_qkv, freq = ctx.saved_tensors
+        w: BlockWeights = ctx.w
+        d = x2.shape[-1]
+        d_qkv = d_qkv.contiguous()
+        # RoPE backward: rotate by -theta (elementwise); the rotation keeps dot products, so
+        # zdz = sum(z * dz) = sum(qkv * d_qkv).
+        theta = pos[:, None].float() * freq[None, :]
+        c, s = torch.cos(theta), torch.sin(theta)
+        da, db = d_qkv[:, 0::2].float(), d_qkv[:, 1::2].float()
+        dz2 = torch.stack([da * c + db * s, db * c - da * s], dim=-1).reshape(d_qkv.shape).to(d_qkv.dtype)
+        zdz2 = (qkv.float() * d_qkv.float()).sum(-1)
+        grad = d_x2.contiguous().clone()  # the residual gradient, accumulated in place below
+        n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x2,
+                  norm_weight=w.g_attn, rstd=rstd2, zdz_over_d=zdz2 / d)
+        d_wqkv = gemm(dz2.T, n2["normed"])
+        sb = gemm(grad, w.w_down, E.swiglu_backward, z=z1)
+        d_wdown = gemm(grad.T, sb["y"])
+        n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x1,
+                  norm_weight=w.g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
+        d_wgu = gemm(sb["dz"].T, n1["normed"])
+        d_attn = gemm(grad, w.wo)
+        d_wo = gemm(grad.T, attn_out)
+        hd, nq, nk = w.head_dim, w.wq.shape[0], w.wk.shape[0]
+        d_wq = unpermute_rope_rows(d_wqkv[:nq], w.n_heads, hd)
+        d_wk = unpermute_rope_rows(d_wqkv[nq:nq + nk], w.n_kv_heads, hd)
+        d_wg, d_wu = split_gate_up(d_wgu)
+        grads = (d_wo, n1["dg"].to(w.g_ffn.dtype), d_wg, d_wu, d_wdown, n2["dg"].to(w.g_attn.dtype),
+                 d_wq, d_wk, d_wqkv[nq + nk:])
+        return (d_attn, grad, None, None, *grads)
+
+
+def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: BlockWeights):
+    """(x2, qkv) of the segment, differentiable in attn_out, x0 and every weight.
+
+    attn_out: [M, H*hd] attention output; x0: [M, D] residual stream; pos: [M] integer
+    positions. qkv: [M, (H + 2 KV) hd] with q, k rotated in pair-adjacent order, v plain.
+    """
+    return _Segment.apply(attn_out, x0, pos, weights, *weights.tensors())
+
+
+def reference_block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, w: BlockWeights):
+    """The same segment in plain PyTorch, standard layouts and half-split RoPE; qkv with q and
+    k in the standard order (compare coda's through `qkv_to_standard`)."""
+    x1 = x0 + F.linear(attn_out, w.wo)
+    h = F.rms_norm(x1, (x1.shape[-1],), w.g_ffn, w.eps)
+    x2 = x1 + F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+    n = F.rms_norm(x2, (x2.shape[-1],), w.g_attn, w.eps)
+    hd = w.head_dim
+    theta = pos[:, None].float() * w.inv_freq()[None, :]
+    cos, sin = torch.cat([theta.cos()] * 2, -1)[:, None], torch.cat([theta.sin()] * 2, -1)[:, None]
+
+    def rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+        t = t.reshape(t.shape[0], heads, hd)
+        rotated = torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1)
+        return (t * cos + rotated * sin).reshape(t.shape[0], heads * hd)
+
+    q, k, v = F.linear(n, w.wq), F.linear(n, w.wk), F.linear(n, w.wv)
+    return x2, torch.cat([rope(q, w.n_heads), rope(k, w.n_kv_heads), v], -1)
+
+
+def qkv_to_standard(qkv: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+    """coda's qkv (pair-adjacent q, k) in the standard half-split head order."""
+    hd, nq, nk = w.head_dim, w.wq.shape[0], w.wk.shape[0]
+    q = unpermute_rope_rows(qkv[:, :nq].T, w.n_heads, hd).T
+    k = unpermute_rope_rows(qkv[:, nq:nq + nk].T, w.n_kv_heads, hd).T
+    return torch.cat([q, k, qkv[:, nq + nk:]], -1)

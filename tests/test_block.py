@@ -54,3 +54,20 @@ def test_block_matches_pytorch_in_fp32(m: int, d: int, heads: int, kv: int, hd: 
     for name, a, b in zip(names, ours, theirs):
         assert a.shape == b.shape, name
         assert rel(a, b) < bound, f"d{name}: relative error {rel(a, b):.3g} >= {bound:.3g}"
+
+
+def test_block_traces_into_one_graph() -> None:
+    """torch.compile(fullgraph=True) sees the segment as custom ops and gives the same results."""
+    torch._dynamo.reset()
+    w, attn, x0, pos = make(torch.float32, 12, 32, 4, 2, 8, 24)
+
+    def run(attn: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        x2, qkv = block_segment(attn, x0, pos, w)
+        return (x2 * x2).sum() + qkv.sum()
+
+    eager = run(attn, x0)
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(attn, x0)
+    torch.testing.assert_close(compiled, eager)
+    params = (attn, x0) + w.tensors()
+    for a, b in zip(torch.autograd.grad(compiled, params), torch.autograd.grad(eager, params)):
+        torch.testing.assert_close(a, b)

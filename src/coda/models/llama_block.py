@@ -67,52 +67,89 @@ def _qkv_weight(w: BlockWeights) -> torch.Tensor:
     return torch.cat([permute_rope_rows(w.wq, w.n_heads, hd), permute_rope_rows(w.wk, w.n_kv_heads, hd), w.wv])
 
 
-class _Segment(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, attn_out, x0, pos, w: BlockWeights, *tensors):
-        d = x0.shape[-1]
-        w_gu, w_qkv, freq = interleave_gate_up(w.w_gate, w.w_up), _qkv_weight(w), _rope_freq(w)
-        p1 = gemm(attn_out, w.wo.T, E.residual_norm_stats, residual=x0, norm_weight=w.g_ffn)
-        rstd1 = torch.rsqrt(p1["sumsq"] / d + w.eps)
-        c1 = gemm(p1["h"], w_gu.T, E.rms_swiglu, rstd=rstd1)
-        p2 = gemm(c1["y"], w.w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=w.g_attn)
-        rstd2 = torch.rsqrt(p2["sumsq"] / d + w.eps)
-        qkv = gemm(p2["h"], w_qkv.T, E.rms_rope, rstd=rstd2, pos=pos, freq=freq)
-        ctx.w = w
-        ctx.save_for_backward(attn_out, pos, p1["x"], rstd1, c1["z"], p2["x"], rstd2, qkv, w_gu, w_qkv, freq)
-        return p2["x"], qkv
+def _weights(tensors: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float, rope_base: float) -> BlockWeights:
+    return BlockWeights(*tensors, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps, rope_base=rope_base)
 
-    @staticmethod
-    def backward(ctx, d_x2, d_qkv):
-        attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, w_gu, w_qkv, freq = ctx.saved_tensors
-        w: BlockWeights = ctx.w
-        d = x2.shape[-1]
-        d_qkv = d_qkv.contiguous()
-        # RoPE backward: rotate by -theta (elementwise); the rotation keeps dot products, so
-        # zdz = sum(z * dz) = sum(qkv * d_qkv).
-        theta = pos[:, None].float() * freq[None, :]
-        c, s = torch.cos(theta), torch.sin(theta)
-        da, db = d_qkv[:, 0::2].float(), d_qkv[:, 1::2].float()
-        dz2 = torch.stack([da * c + db * s, db * c - da * s], dim=-1).reshape(d_qkv.shape).to(d_qkv.dtype)
-        zdz2 = (qkv.float() * d_qkv.float()).sum(-1)
-        grad = d_x2.contiguous().clone()  # the residual gradient, accumulated in place below
-        n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x2,
-                  norm_weight=w.g_attn, rstd=rstd2, zdz_over_d=zdz2 / d)
-        d_wqkv = gemm(dz2.T, n2["normed"])
-        sb = gemm(grad, w.w_down, E.swiglu_backward, z=z1)
-        d_wdown = gemm(grad.T, sb["y"])
-        n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x1,
-                  norm_weight=w.g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
-        d_wgu = gemm(sb["dz"].T, n1["normed"])
-        d_attn = gemm(grad, w.wo)
-        d_wo = gemm(grad.T, attn_out)
-        hd, nq, nk = w.head_dim, w.wq.shape[0], w.wk.shape[0]
-        d_wq = unpermute_rope_rows(d_wqkv[:nq], w.n_heads, hd)
-        d_wk = unpermute_rope_rows(d_wqkv[nq:nq + nk], w.n_kv_heads, hd)
-        d_wg, d_wu = split_gate_up(d_wgu)
-        grads = (d_wo, n1["dg"].to(w.g_ffn.dtype), d_wg, d_wu, d_wdown, n2["dg"].to(w.g_attn.dtype),
-                 d_wq, d_wk, d_wqkv[nq + nk:])
-        return (d_attn, grad, None, None, *grads)
+
+@torch.library.custom_op("coda::block_segment_fwd", mutates_args=())
+def _fwd(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: list[torch.Tensor], n_heads: int,
+         n_kv_heads: int, eps: float, rope_base: float
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x2, qkv) and what backward keeps: x1, rstd1, z1, rstd2."""
+    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base)
+    d = x0.shape[-1]
+    p1 = gemm(attn_out, w.wo.T, E.residual_norm_stats, residual=x0, norm_weight=w.g_ffn)
+    rstd1 = torch.rsqrt(p1["sumsq"] / d + w.eps)  # the tiny finalize
+    c1 = gemm(p1["h"], interleave_gate_up(w.w_gate, w.w_up).T, E.rms_swiglu, rstd=rstd1)
+    p2 = gemm(c1["y"], w.w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=w.g_attn)
+    rstd2 = torch.rsqrt(p2["sumsq"] / d + w.eps)
+    qkv = gemm(p2["h"], _qkv_weight(w).T, E.rms_rope, rstd=rstd2, pos=pos, freq=_rope_freq(w))
+    return p2["x"], qkv, p1["x"], rstd1, c1["z"], rstd2
+
+
+@_fwd.register_fake
+def _(attn_out, x0, pos, weights, n_heads, n_kv_heads, eps, rope_base):
+    m, d = x0.shape
+    n_qkv = sum(t.shape[0] for t in weights[6:9])
+    rows = x0.new_empty(m, dtype=torch.float32)
+    return (x0.new_empty(m, d), x0.new_empty(m, n_qkv), x0.new_empty(m, d), rows,
+            x0.new_empty(m, 2 * weights[2].shape[0]), torch.empty_like(rows))
+
+
+@torch.library.custom_op("coda::block_segment_bwd", mutates_args=())
+def _bwd(d_x2: torch.Tensor, d_qkv: torch.Tensor, attn_out: torch.Tensor, pos: torch.Tensor, x1: torch.Tensor,
+         rstd1: torch.Tensor, z1: torch.Tensor, x2: torch.Tensor, rstd2: torch.Tensor, qkv: torch.Tensor,
+         weights: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float,
+         rope_base: float) -> list[torch.Tensor]:
+    """Gradients for attn_out, x0 and the nine weights (in BlockWeights order)."""
+    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base)
+    d = x2.shape[-1]
+    w_gu, w_qkv, freq = interleave_gate_up(w.w_gate, w.w_up), _qkv_weight(w), _rope_freq(w)
+    d_qkv = d_qkv.contiguous()
+    # RoPE backward: rotate by -theta (elementwise); the rotation keeps dot products, so
+    # zdz = sum(z * dz) = sum(qkv * d_qkv).
+    theta = pos[:, None].float() * freq[None, :]
+    c, s = torch.cos(theta), torch.sin(theta)
+    da, db = d_qkv[:, 0::2].float(), d_qkv[:, 1::2].float()
+    dz2 = torch.stack([da * c + db * s, db * c - da * s], dim=-1).reshape(d_qkv.shape).to(d_qkv.dtype)
+    zdz2 = (qkv.float() * d_qkv.float()).sum(-1)
+    grad = d_x2.contiguous().clone()  # the residual gradient, accumulated in place below
+    n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x2,
+              norm_weight=w.g_attn, rstd=rstd2, zdz_over_d=zdz2 / d)
+    d_wqkv = gemm(dz2.T, n2["normed"])
+    sb = gemm(grad, w.w_down, E.swiglu_backward, z=z1)
+    d_wdown = gemm(grad.T, sb["y"])
+    n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x1,
+              norm_weight=w.g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
+    d_wg, d_wu = split_gate_up(gemm(sb["dz"].T, n1["normed"]))
+    d_attn = gemm(grad, w.wo)
+    d_wo = gemm(grad.T, attn_out)
+    hd, nq, nk = w.head_dim, w.wq.shape[0], w.wk.shape[0]
+    d_wq = unpermute_rope_rows(d_wqkv[:nq], w.n_heads, hd)
+    d_wk = unpermute_rope_rows(d_wqkv[nq:nq + nk], w.n_kv_heads, hd)
+    return [d_attn, grad, d_wo, n1["dg"].to(w.g_ffn.dtype), d_wg.contiguous(), d_wu.contiguous(), d_wdown,
+            n2["dg"].to(w.g_attn.dtype), d_wq, d_wk, d_wqkv[nq + nk:].contiguous()]
+
+
+@_bwd.register_fake
+def _(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, n_heads, n_kv_heads, eps, rope_base):
+    return [torch.empty_like(attn_out), torch.empty_like(d_x2), *(torch.empty_like(t) for t in weights)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    attn_out, x0, pos, weights, *config = inputs
+    x2, qkv, x1, rstd1, z1, rstd2 = output
+    ctx.config = config
+    ctx.save_for_backward(attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights)
+
+
+def _backward(ctx, d_x2, d_qkv, *_unused):
+    attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights = ctx.saved_tensors
+    grads = _bwd(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, *ctx.config)
+    return grads[0], grads[1], None, list(grads[2:]), None, None, None, None
+
+
+torch.library.register_autograd("coda::block_segment_fwd", _backward, setup_context=_setup)
 
 
 def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: BlockWeights):
@@ -121,7 +158,9 @@ def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, w
     attn_out: [M, H*hd] attention output; x0: [M, D] residual stream; pos: [M] integer
     positions. qkv: [M, (H + 2 KV) hd] with q, k rotated in pair-adjacent order, v plain.
     """
-    return _Segment.apply(attn_out, x0, pos, weights, *weights.tensors())
+    out = _fwd(attn_out, x0, pos, list(weights.tensors()), weights.n_heads, weights.n_kv_heads,
+               float(weights.eps), float(weights.rope_base))
+    return out[0], out[1]
 
 
 def reference_block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, w: BlockWeights):

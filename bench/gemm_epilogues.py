@@ -33,61 +33,11 @@ import torch
 import torch.nn.functional as F
 
 import coda
+from harness import NOTES, ROWS, compiled, log, rand, record, rel_err
 
-ROWS: list[dict] = []
-NOTES: list[str] = []
 OPS = ("gemm", "rmsnorm_gemm", "swiglu", "rope", "residual_norm", "lm_head_ce")
 PRIMARY = dict(m=8192, d=2048, ffn=8192)
 EIGHT_B = dict(m=8192, d=4096, ffn=14336)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def timed(fn) -> float:
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
-def record(op: str, shape: tuple[int, int, int], variant: str, fn, check=None) -> None:
-    """Check fn's result with `check(result) -> error` (must be < 2e-2), then time it."""
-    m, n, k = shape
-    try:
-        if check is not None:
-            err = check(fn())
-            if not err < 2e-2:
-                raise AssertionError(f"error {err:.3g} vs the fp32 reference")
-        ms = timed(fn)
-    except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
-        log(f"  {op:13s} {variant:30s} FAILED: {type(exc).__name__}: {str(exc)[:160]}")
-        NOTES.append(f"{op} {shape} {variant}: {type(exc).__name__}: {str(exc)[:200]}")
-        return
-    ROWS.append({"op": op, "M": m, "N": n, "K": k, "variant": variant, "ms": ms,
-                 "tflops": 2.0 * m * n * k / (ms * 1e-3) / 1e12})
-    log(f"  {op:13s} M={m:6d} N={n:6d} K={k:6d} {variant:30s} {ms:8.4f} ms")
-
-
-def compiled(op: str, shape, fn, check, modes: list[str]) -> None:
-    for mode in modes:
-        t0 = time.time()
-        cfn = torch.compile(fn) if mode == "default" else torch.compile(fn, mode=mode)
-        try:
-            cfn()
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001
-            NOTES.append(f"{op} {shape} compile_{mode}: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        log(f"  (torch.compile {mode}: {time.time() - t0:.0f} s)")
-        record(op, shape, f"compile_{mode}", cfn, check)
-    torch._dynamo.reset()
 
 
 def liger():
@@ -98,10 +48,6 @@ def liger():
         NOTES.append(f"Liger-Kernel not importable: {exc}")
         return None
     return {"ce": cross_entropy, "add_rms": fused_add_rms_norm, "rms": rms_norm, "rope": rope, "swiglu": swiglu}
-
-
-def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
 
 # -- ops ---------------------------------------------------------------------------------

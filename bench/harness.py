@@ -1,0 +1,62 @@
+"""What every GPU benchmark script here shares: check-then-time rows (BENCH.md protocol)."""
+
+import time
+
+import torch
+
+DEVICE = "cuda"  # where inputs are made (a CPU smoke run of a script may change it)
+ROWS: list[dict] = []  # {"op", "M", "N", "K", "variant", "ms", "tflops"}
+NOTES: list[str] = []  # variants that failed or were skipped, with why
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def timed(fn) -> float:
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def record(op: str, shape: tuple[int, int, int], variant: str, fn, check=None) -> None:
+    """Check fn's result with `check(result) -> error` (must be < 2e-2), then time it."""
+    m, n, k = shape
+    try:
+        if check is not None:
+            err = check(fn())
+            if not err < 2e-2:
+                raise AssertionError(f"error {err:.3g} vs the fp32 reference")
+        ms = timed(fn)
+    except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+        log(f"  {op:13s} {variant:30s} FAILED: {type(exc).__name__}: {str(exc)[:160]}")
+        NOTES.append(f"{op} {shape} {variant}: {type(exc).__name__}: {str(exc)[:200]}")
+        return
+    ROWS.append({"op": op, "M": m, "N": n, "K": k, "variant": variant, "ms": ms,
+                 "tflops": 2.0 * m * n * k / (ms * 1e-3) / 1e12})
+    log(f"  {op:13s} M={m:6d} N={n:6d} K={k:6d} {variant:30s} {ms:8.4f} ms")
+
+
+def compiled(op: str, shape, fn, check, modes: list[str]) -> None:
+    for mode in modes:
+        t0 = time.time()
+        cfn = torch.compile(fn) if mode == "default" else torch.compile(fn, mode=mode)
+        try:
+            cfn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            NOTES.append(f"{op} {shape} compile_{mode}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        log(f"  (torch.compile {mode}: {time.time() - t0:.0f} s)")
+        record(op, shape, f"compile_{mode}", cfn, check)
+    torch._dynamo.reset()
+
+
+def rand(*shape: int, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16).requires_grad_(grad)

@@ -1,0 +1,273 @@
+"""coda.ops and the section-7 block on a GPU, forward and forward+backward (BENCH.md).
+
+Per op and shape, variants:
+  gemms    the op's bare cuBLAS GEMMs, each timed alone and summed (its speed of light)
+  eager    the standard PyTorch implementation (what coda.ops is a drop-in for)
+  compile  torch.compile of eager (default mode)
+  liger    Liger-Kernel's equivalent where it has one (fused linear cross-entropy; the
+           block with Liger's RMSNorm, SiLU-mul and RoPE kernels around cuBLAS GEMMs)
+  coda     coda.ops / coda.models
+Every variant's outputs and gradients are checked against an fp32 reference first.
+
+    python bench/ops_block.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
+    python bench/ops_block.py --merge DIR/ops_block.json --out bench/results
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import coda
+from coda.models import BlockWeights, block_segment, qkv_to_standard, reference_block_segment
+import harness
+from harness import NOTES, ROWS, log, rand, record, rel_err
+
+OPS = ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
+
+
+def max_err(outs, refs) -> float:
+    return max(rel_err(o, r) for o, r in zip(outs, refs))
+
+
+def fwd_bwd(f, params, grad_out=None):
+    """A callable running f forward and backward; returns (output, *grads)."""
+    def run():
+        out = f()
+        go = grad_out if grad_out is not None else torch.ones_like(out)
+        return (out, *torch.autograd.grad(out, params, go))
+    return run
+
+
+def gemms_sum(op: str, shape, shapes: list[tuple[int, int, int]]) -> None:
+    """The speed of light: each bare GEMM (M, N, K) of the op timed with cuBLAS, summed."""
+    total = 0.0
+    for m, n, k in shapes:
+        a, b = rand(m, k), rand(n, k)
+        total += harness.timed(lambda: a @ b.T)
+    ROWS.append({"op": op, "M": shape[0], "N": shape[1], "K": shape[2], "variant": "gemms", "ms": total,
+                 "gemms": [list(s) for s in shapes]})
+    log(f"  {op:24s} gemms (sum of {len(shapes)} cuBLAS) {total:8.4f} ms")
+
+
+def variants(op: str, shape, impls: dict, params_of, ref_out, ref_grads, grad_out, compile_modes=("default",)):
+    """Forward-only and forward+backward rows for each implementation."""
+    for name, f in impls.items():
+        params = params_of(name)
+        record(f"{op}_fwd", shape, name, f, lambda r: rel_err(r, ref_out))
+        record(f"{op}_fwdbwd", shape, name, fwd_bwd(f, params, grad_out),
+               lambda r: max_err(r, (ref_out, *ref_grads)))
+    for mode in compile_modes:
+        cf = torch.compile(impls["eager"]) if mode == "default" else torch.compile(impls["eager"], mode=mode)
+        record(f"{op}_fwd", shape, f"compile_{mode}", cf, lambda r: rel_err(r, ref_out))
+        record(f"{op}_fwdbwd", shape, f"compile_{mode}", fwd_bwd(cf, params_of("eager"), grad_out),
+               lambda r: max_err(r, (ref_out, *ref_grads)))
+        torch._dynamo.reset()
+
+
+def fp32_reference(f, leaves, grad_out=None):
+    """Output and gradients of f on fp32 copies of the leaves."""
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    out = f(*f32)
+    go = grad_out.float() if grad_out is not None else torch.ones_like(out)
+    return out.detach(), [g.detach() for g in torch.autograd.grad(out, f32, go)]
+
+
+def bench_rmsnorm_linear(m: int, d: int, n: int) -> None:
+    x, g, w = rand(m, d, grad=True), (1 + 0.1 * rand(d)).detach().requires_grad_(), rand(n, d, scale=d**-0.5, grad=True)
+    eager = lambda x=x, g=g, w=w: F.linear(F.rms_norm(x, (d,), g, 1e-6), w)  # noqa: E731
+    ours = lambda: coda.ops.rmsnorm_linear(x, g, w)  # noqa: E731
+    dy = rand(m, n)
+    ref, refg = fp32_reference(lambda x, g, w: F.linear(F.rms_norm(x, (d,), g, 1e-6), w), (x, g, w), dy)
+    shape = (m, n, d)
+    gemms_sum("rmsnorm_linear_fwd", shape, [(m, n, d)])
+    gemms_sum("rmsnorm_linear_fwdbwd", shape, [(m, n, d), (m, d, n), (n, d, m)])
+    variants("rmsnorm_linear", shape, {"eager": eager, "coda": ours}, lambda _: (x, g, w), ref, refg, dy)
+
+
+def bench_swiglu_mlp(m: int, d: int, f: int) -> None:
+    x = rand(m, d, grad=True)
+    wg, wu, wd = rand(f, d, scale=d**-0.5, grad=True), rand(f, d, scale=d**-0.5, grad=True), rand(d, f, scale=f**-0.5, grad=True)
+
+    def std(x, wg, wu, wd):
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    params = (x, wg, wu, wd)
+    dout = rand(m, d)
+    ref, refg = fp32_reference(std, params, dout)
+    impls = {"eager": lambda: std(*params), "coda": lambda: coda.ops.swiglu_mlp(*params)}
+    lg = _liger()
+    if lg is not None:
+        impls["liger"] = lambda: F.linear(lg.swiglu.LigerSiLUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+    shape = (m, d, f)
+    gemms_sum("swiglu_mlp_fwd", shape, [(m, 2 * f, d), (m, d, f)])
+    gemms_sum("swiglu_mlp_fwdbwd", shape, [(m, 2 * f, d), (m, d, f), (m, f, d), (d, f, m), (m, d, 2 * f), (2 * f, d, m)])
+    variants("swiglu_mlp", shape, impls, lambda _: params, ref, refg, dout)
+
+
+def bench_linear_ce(m: int, d: int, v: int) -> None:
+    x, w = rand(m, d, grad=True), rand(v, d, scale=d**-0.5, grad=True)
+    t = torch.randint(0, v, (m,), device=harness.DEVICE)
+    t[::97] = -100
+
+    def std(x, w):
+        return F.cross_entropy(F.linear(x, w).float(), t)
+
+    ref, refg = fp32_reference(std, (x, w))
+    impls = {"eager": lambda: std(x, w), "coda": lambda: coda.ops.linear_cross_entropy(x, w, t)}
+    lg = _liger()
+    if lg is not None:
+        def liger_ce():
+            out = lg.fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction.apply(x, w, t)
+            return out[0] if isinstance(out, tuple) else out
+        impls["liger"] = liger_ce
+    shape = (m, v, d)
+    gemms_sum("linear_ce_fwd", shape, [(m, v, d)])
+    gemms_sum("linear_ce_fwdbwd", shape, [(m, v, d), (m, d, v), (v, d, m)])
+    variants("linear_ce", shape, impls, lambda _: (x, w), ref, refg, None)
+
+
+def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
+    hd = d // heads
+
+    def p(*shape, s=1.0):
+        return rand(*shape, scale=s, grad=True)
+
+    w = BlockWeights(wo=p(d, heads * hd, s=d**-0.5), g_ffn=(1 + 0.1 * rand(d)).detach().requires_grad_(),
+                     w_gate=p(f, d, s=d**-0.5), w_up=p(f, d, s=d**-0.5), w_down=p(d, f, s=f**-0.5),
+                     g_attn=(1 + 0.1 * rand(d)).detach().requires_grad_(), wq=p(heads * hd, d, s=d**-0.5),
+                     wk=p(kv * hd, d, s=d**-0.5), wv=p(kv * hd, d, s=d**-0.5), n_heads=heads, n_kv_heads=kv)
+    attn, x0 = p(m, heads * hd), p(m, d)
+    pos = torch.arange(m, device=harness.DEVICE) % 4096
+    params = (attn, x0) + w.tensors()
+    n_qkv = (heads + 2 * kv) * hd
+
+    def eager():
+        x2, qkv = reference_block_segment(attn, x0, pos, w)
+        return torch.cat([x2, qkv], -1)
+
+    def ours():
+        x2, qkv = block_segment(attn, x0, pos, w)
+        return torch.cat([x2, qkv_to_standard(qkv, w)], -1)  # the un-permute is for checking only
+
+    def ours_native():
+        x2, qkv = block_segment(attn, x0, pos, w)
+        return torch.cat([x2, qkv], -1)
+
+    def f32(*leaves):
+        a, x, *ws = leaves
+        w32 = BlockWeights(*ws, n_heads=heads, n_kv_heads=kv)
+        x2, qkv = reference_block_segment(a, x, pos, w32)
+        return torch.cat([x2, qkv], -1)
+
+    go = rand(m, d + n_qkv)
+    ref, refg = fp32_reference(f32, params, go)
+    shape = (m, d, f)
+    fwd = [(m, d, heads * hd), (m, 2 * f, d), (m, d, f), (m, n_qkv, d)]
+    bwd = [(m, d, n_qkv), (n_qkv, d, m), (m, f, d), (d, f, m), (m, d, 2 * f), (2 * f, d, m), (m, heads * hd, d),
+           (d, heads * hd, m)]
+    gemms_sum("block_fwd", shape, fwd)
+    gemms_sum("block_fwdbwd", shape, fwd + bwd)
+    variants("block", shape, {"eager": eager, "coda": ours}, lambda _: params, ref, refg, go)
+    # the layout the block hands to attention (no un-permute), timed unchecked beside it
+    record("block_fwdbwd", shape, "coda_native_layout", fwd_bwd(ours_native, params, go))
+
+
+_LIGER: list = []
+
+
+def _liger():
+    if not _LIGER:
+        try:
+            import liger_kernel.ops.fused_linear_cross_entropy
+            import liger_kernel.ops.swiglu  # noqa: F401
+
+            _LIGER.append(sys.modules["liger_kernel"].ops)
+        except Exception as exc:  # noqa: BLE001
+            NOTES.append(f"Liger-Kernel not importable: {exc}")
+            _LIGER.append(None)
+    return _LIGER[0]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["variant"]] = r["ms"]
+    out = []
+    for (op, m, n, k), v in groups.items():
+        comp = [t for name, t in v.items() if name.startswith("compile_")]
+        c = min(comp) if comp else None
+        r = lambda a, b: None if a is None or b is None else a / b  # noqa: E731
+        out.append({"op": op, "M": m, "N": n, "K": k, **{f"ms_{key}": val for key, val in v.items()}, "ms_compile": c,
+                    "coda/gemms": r(v.get("coda"), v.get("gemms")), "eager/coda": r(v.get("eager"), v.get("coda")),
+                    "compile/coda": r(c, v.get("coda")), "liger/coda": r(v.get("liger"), v.get("coda"))})
+    return out
+
+
+def table(s: list[dict]) -> str:
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    keys = ["coda/gemms", "eager/coda", "compile/coda", "liger/coda"]
+    lines = ["| op | M | N | K | gemms ms | eager ms | compile ms | liger ms | coda ms | " + " | ".join(keys) + " |",
+             "|" + "---|" * (9 + len(keys))]
+    for r in s:
+        lines.append(f"| {r['op']} | {r['M']} | {r['N']} | {r['K']} | {f(r.get('ms_gemms'))} | {f(r.get('ms_eager'))} | "
+                     f"{f(r['ms_compile'])} | {f(r.get('ms_liger'))} | {f(r.get('ms_coda'))} | "
+                     + " | ".join(f(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--merge", type=Path, help="write <out>/ops_block.md from a measured JSON")
+    args = ap.parse_args()
+    if args.merge:
+        data = json.loads(args.merge.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        md = ["# ops_block", "", data["meta"]["protocol"], "", table(summary(data["rows"])), ""]
+        md += [f"* {n}" for n in data["notes"]]
+        (args.out / "ops_block.json").write_text(json.dumps({**data, "summary": summary(data["rows"])}, indent=1))
+        (args.out / "ops_block.md").write_text("\n".join(md) + "\n")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("ops_block.py measures on a CUDA GPU; --merge runs anywhere")
+    import triton
+
+    torch.manual_seed(0)
+    ops = args.ops.split(",")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "coda": coda.__version__, "python": platform.python_version(),
+            "protocol": "do_bench median; bf16; outputs and gradients checked against fp32 before timing; "
+                        "gemms = sum of the op's bare cuBLAS GEMMs (speed of light); compile = torch.compile default."}
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    def save():
+        (args.out / "ops_block.json").write_text(json.dumps({"meta": meta, "rows": ROWS, "notes": NOTES}, indent=1))
+
+    if "rmsnorm_linear" in ops:
+        bench_rmsnorm_linear(8192, 2048, 16384)
+        save()
+    if "swiglu_mlp" in ops:
+        bench_swiglu_mlp(8192, 2048, 8192)
+        save()
+    if "linear_ce" in ops:
+        bench_linear_ce(8192, 2048, 128256)
+        save()
+    if "block" in ops:
+        bench_block(8192, 2048, 8192)
+        save()
+        bench_block(8192, 4096, 14336)
+        save()
+    log(f"measured {len(ROWS)} rows in {time.time() - t0:.0f} s")
+    log(table(summary(ROWS)))
+
+
+if __name__ == "__main__":
+    main()

@@ -30,8 +30,8 @@ _UNARY = {
     "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
     "tanh": "_tanh({x})",
     "relu": "tl.maximum({x}, 0.0)",
-    "sin": "tl.sin({x})",
-    "cos": "tl.cos({x})",
+    "sin": "_trig({x}, 0)",
+    "cos": "_trig({x}, 1)",
     "abs": "tl.abs({x})",
     "square": "{x} * {x}",
 }

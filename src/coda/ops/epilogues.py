@@ -65,6 +65,14 @@ def cross_entropy_grad(acc, lse: VecM, target: VecM, scale: VecM):
 
 
 @epilogue
+def cross_entropy_grad_zdz(acc, lse: VecM, target: VecM, scale: VecM):
+    """cross_entropy_grad when a final RMSNorm feeds the LM head: also zdz = sum_k l_k dl_k
+    per row, the row term of that norm's backward (section 5)."""
+    dl = (exp(acc - lse) - where(col_index() == target, 1.0, 0.0)) * scale
+    return {"dl": dl, "zdz": reduce_n(acc * dl, "sum")}
+
+
+@epilogue
 def rmsnorm_backward(acc, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: VecM):
     """Section 5: acc = gq = dz @ W. dx = r*(g*gq) - r^2 * x * zdz/D; the normalized input
     r*x*g for the weight gradient; per-column partials of dg = sum_rows gq * r * x."""

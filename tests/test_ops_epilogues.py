@@ -1,0 +1,101 @@
+"""Each TRANSFORMER.md epilogue of coda.ops.epilogues against standard-layout PyTorch
+(autograd where it is a gradient), in fp32 with accumulation-derived tolerances."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import coda
+from coda.ops import epilogues as E
+from conftest import DEVICE, EPS, scale
+
+M, D, N = scale(19, 300), scale(24, 256), scale(40, 520)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, k: int, what: str) -> None:
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    bound = 16 * math.sqrt(k) * EPS[torch.float32]
+    assert err <= bound, f"{what}: relative error {err:.3g} > {bound:.3g}"
+
+
+def rn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE)
+
+
+def test_residual_norm_stats() -> None:
+    a, w, res, g = rn(M, D), rn(N, D), rn(M, N), rn(N)
+    out = coda.gemm(a, w.T, E.residual_norm_stats, residual=res, norm_weight=g)
+    x = a @ w.T + res
+    close(out["x"], x, D, "x")
+    close(out["h"], x * g, D, "h")
+    close(out["sumsq"], (x * x).sum(-1), D, "sumsq")
+    rstd = torch.rsqrt(out["sumsq"] / N + 1e-6)  # the finalize: rms_norm(x) = rstd * h
+    close(rstd[:, None] * out["h"], F.rms_norm(x, (N,), g, 1e-6), D, "rms_norm")
+
+
+def test_row_scale_and_rms_swiglu() -> None:
+    h, wg, wu = rn(M, D), rn(N, D), rn(N, D)
+    rstd = torch.rand(M, device=DEVICE) + 0.5
+    close(coda.gemm(h, wg.T, E.row_scale, rstd=rstd), rstd[:, None] * (h @ wg.T), D, "row_scale")
+    out = coda.gemm(h, coda.ops.interleave_gate_up(wg, wu).T, E.rms_swiglu, rstd=rstd)
+    gate, up = rstd[:, None] * (h @ wg.T), rstd[:, None] * (h @ wu.T)
+    close(out["y"], F.silu(gate) * up, D, "y")
+    close(out["z"][:, 0::2], gate, D, "z gate")
+    close(out["z"][:, 1::2], up, D, "z up")
+
+
+def test_rms_rope_matches_half_split_rope() -> None:
+    heads, hd = 3, 8
+    h, wq = rn(M, D), rn(heads * hd, D)
+    rstd, pos = torch.rand(M, device=DEVICE) + 0.5, torch.arange(M, device=DEVICE) * 5
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, device=DEVICE).float() / hd)
+    out = coda.gemm(h, coda.ops.permute_rope_rows(wq, heads, hd).T, E.rms_rope, rstd=rstd, pos=pos,
+                    freq=inv.repeat(heads))
+    q = (rstd[:, None] * (h @ wq.T)).reshape(M, heads, hd)
+    theta = pos[:, None].float() * inv[None, :]
+    cos, sin = torch.cat([theta.cos()] * 2, -1)[:, None], torch.cat([theta.sin()] * 2, -1)[:, None]
+    ref = q * cos + torch.cat([-q[..., hd // 2:], q[..., : hd // 2]], -1) * sin
+    close(coda.ops.unpermute_rope_rows(out.T, heads, hd).T, ref.reshape(M, heads * hd), D, "rope")
+
+
+def test_lm_head_stats_and_cross_entropy_grad() -> None:
+    x, w = rn(M, D), rn(N, D)
+    target = torch.randint(0, N, (M,), device=DEVICE)
+    stats = coda.gemm(x, w.T, E.lm_head_stats, target=target)
+    logits = x @ w.T
+    close(stats["lse"], torch.logsumexp(logits, -1), D, "lse")
+    close(stats["target_logit"], logits.gather(1, target[:, None])[:, 0], D, "target logit")
+    row_scale = torch.rand(M, device=DEVICE)
+    dl = coda.gemm(x, w.T, E.cross_entropy_grad, lse=stats["lse"], target=target, scale=row_scale)
+    lg = logits.clone().requires_grad_()
+    (ref,) = torch.autograd.grad((F.cross_entropy(lg, target, reduction="none") * row_scale).sum(), lg)
+    close(dl, ref, D, "dl")
+    both = coda.gemm(x, w.T, E.cross_entropy_grad_zdz, lse=stats["lse"], target=target, scale=row_scale)
+    close(both["dl"], ref, D, "dl (with zdz)")
+    close(both["zdz"], (logits * ref).sum(-1), D, "zdz")
+
+
+def test_rmsnorm_backward_epilogues() -> None:
+    """dx, dg and the normalized input from gq = dz @ W, against autograd of F.rms_norm -> linear;
+    the residual variant adds the incoming gradient in place."""
+    x, g, w = rn(M, D).requires_grad_(), rn(D).requires_grad_(), rn(N, D)
+    eps = 1e-6
+    y = F.rms_norm(x, (D,), g, eps)
+    z = y @ w.T
+    dz = rn(M, N)
+    dx_ref, dg_ref = torch.autograd.grad(z, (x, g), dz)
+    rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + eps)
+    zdz = (z.detach() * dz).sum(-1)
+    ops = dict(x=x.detach(), norm_weight=g.detach(), rstd=rstd, zdz_over_d=zdz / D)
+    out = coda.gemm(dz, w, E.rmsnorm_backward, **ops)
+    close(out["dx"], dx_ref, N, "dx")
+    close(out["dg"], dg_ref, N * M, "dg")
+    close(out["normed"], y.detach(), N, "normed")
+    grad = rn(M, D)
+    expected = grad + dx_ref
+    res = coda.gemm(dz, w, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, **ops)
+    assert res["dx"] is grad
+    close(grad, expected, N, "dx accumulated in place")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call's worth of H200 work, in priority order, everything under $OUT:
+#   1. the GPU tier of the test suite (default configs; tests pick larger shapes on a GPU)
+#   2. the GEMM + forward-epilogue suite (bench/gemm_epilogues.py)
+#   3. the ops + block suite (bench/ops_block.py)
+# Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
+#   bash bench/gpu_session.sh [tests|epilogues|ops ...]   (default: all three, ~13 min: more than
+#   one device call's 10 minutes, so run `tests epilogues` and `ops` as two calls)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/coda-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src
+fi
+export PYTHONUNBUFFERED=1 CODA_CACHE_DIR=${CODA_CACHE_DIR:-/tmp/coda-cache}
+steps=${*:-tests epilogues ops}
+for step in $steps; do
+  case $step in
+    tests) CODA_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
+    epilogues) timeout 300 python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
+                 | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
+    ops) timeout 300 python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
+           | tee "$OUT/ops.log" | tail -30 ;;
+    *) echo "unknown step $step (tests, epilogues, ops)"; exit 2 ;;
+  esac
+done

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import coda
-from harness import NOTES, ROWS, compiled, log, rand, record, rel_err
+from harness import NOTES, ROWS, by_shape, compiled, fastest_compile, log, rand, ratio, record, rel_err
 
 OPS = ("gemm", "rmsnorm_gemm", "swiglu", "rope", "residual_norm", "lm_head_ce")
 PRIMARY = dict(m=8192, d=2048, ffn=8192)
@@ -250,15 +250,10 @@ def bench_lm_head_ce(coda, lg, m: int, d: int, vocab: int, modes: list[str]) -> 
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One record per (op, shape): ms per variant plus the BENCH.md ratios."""
-    groups: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["variant"]] = r["ms"]
     out = []
-    for (op, m, n, k), v in groups.items():
-        comp = [t for name, t in v.items() if name.startswith("compile_")]
-        c = min(comp) if comp else None
+    for (op, m, n, k), v in by_shape(rows).items():
+        c = fastest_compile(v)
         coda_ms = v.get("coda", v.get("coda_gemm") if op == "gemm" else None)
-        ratio = lambda x, y: None if x is None or y is None else x / y  # noqa: E731
         out.append({
             "op": op, "M": m, "N": n, "K": k, **{f"ms_{key}": val for key, val in v.items()}, "ms_compile": c,
             "coda/coda_gemm": ratio(v.get("coda"), v.get("coda_gemm")),

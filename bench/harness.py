@@ -58,5 +58,23 @@ def compiled(op: str, shape, fn, check, modes: list[str]) -> None:
     torch._dynamo.reset()
 
 
+def by_shape(rows: list[dict]) -> dict[tuple, dict[str, float]]:
+    """(op, M, N, K) -> {variant: ms}, in measuring order."""
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["variant"]] = r["ms"]
+    return groups
+
+
+def fastest_compile(variants: dict[str, float]) -> float | None:
+    """BENCH.md's compile: the faster of the torch.compile modes measured."""
+    times = [t for name, t in variants.items() if name.startswith("compile_")]
+    return min(times) if times else None
+
+
+def ratio(x: float | None, y: float | None) -> float | None:
+    return None if x is None or y is None else x / y
+
+
 def rand(*shape: int, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16).requires_grad_(grad)

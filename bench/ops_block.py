@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import coda
 from coda.models import BlockWeights, block_segment, qkv_to_standard, reference_block_segment
 import harness
-from harness import NOTES, ROWS, log, rand, record, rel_err
+from harness import NOTES, ROWS, by_shape, fastest_compile, log, rand, ratio, record, rel_err
 
 OPS = ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
 
@@ -195,17 +195,12 @@ def _liger():
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    groups: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["variant"]] = r["ms"]
     out = []
-    for (op, m, n, k), v in groups.items():
-        comp = [t for name, t in v.items() if name.startswith("compile_")]
-        c = min(comp) if comp else None
-        r = lambda a, b: None if a is None or b is None else a / b  # noqa: E731
+    for (op, m, n, k), v in by_shape(rows).items():
+        c, coda_ms = fastest_compile(v), v.get("coda")
         out.append({"op": op, "M": m, "N": n, "K": k, **{f"ms_{key}": val for key, val in v.items()}, "ms_compile": c,
-                    "coda/gemms": r(v.get("coda"), v.get("gemms")), "eager/coda": r(v.get("eager"), v.get("coda")),
-                    "compile/coda": r(c, v.get("coda")), "liger/coda": r(v.get("liger"), v.get("coda"))})
+                    "coda/gemms": ratio(coda_ms, v.get("gemms")), "eager/coda": ratio(v.get("eager"), coda_ms),
+                    "compile/coda": ratio(c, coda_ms), "liger/coda": ratio(v.get("liger"), coda_ms)})
     return out
 
 

@@ -12,9 +12,11 @@ from .ir.types import Scalar, Tile, VecM, VecN  # noqa: E402
 from .epilogue import Epilogue, epilogue  # noqa: E402
 from .runtime import Config, gemm  # noqa: E402
 from . import ops  # noqa: E402  (built on the API above)
+from . import nn  # noqa: E402
+from . import models  # noqa: E402
 
 __all__ = [
-    "__version__", "Epilogue", "epilogue", "gemm", "Config", "ops",
+    "__version__", "Epilogue", "epilogue", "gemm", "Config", "ops", "nn", "models",
     "Scalar", "VecM", "VecN", "Tile",
     "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh", "relu", "sin", "cos", "abs",
     "square", "maximum", "minimum", "where", "pairs", "interleave", "row_index", "col_index",

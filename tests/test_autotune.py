@@ -325,3 +325,17 @@ def test_tune_command_rejects_bad_targets() -> None:
         load_epilogue("coda:gemm")
     with pytest.raises(SystemExit, match="M,N,K"):
         parse_shape("1,2")
+
+
+def test_tma_stores_only_while_shared_memory_fits() -> None:
+    """An fp32 out= tile would overflow shared memory beside a 3-stage 128x256 ring: it is stored
+    through pointers instead, so the config still runs; a bf16 output keeps its TMA store."""
+    import torch
+    from coda.runtime.launch import PLAIN, _spec_fields
+    from coda.runtime.validate import validate
+
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(128, 512).bfloat16()
+    cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    wide_out = validate(PLAIN, a, b, {}, torch.empty(256, 512), True)
+    assert _spec_fields(wide_out, False, cfg)[6] == ()
+    assert _spec_fields(validate(PLAIN, a, b, {}, None, True), False, cfg)[6] == ("out",)

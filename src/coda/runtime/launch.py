@@ -81,11 +81,17 @@ def _wide(call: Call) -> bool:
 
 def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:
     stores, tma = [], []
+    # TMA stores stage each tile in shared memory beside the operand ring: add them while
+    # they fit, so a config never fails for want of shared memory because of them.
+    smem = 0 if cfg is None else cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * call.a.element_size()
     for o in call.graph.outputs:
         if isinstance(o, StoreOutput):
             stores.append((o.name, IN_DTYPES[call.out_dtype(o)]))
             if cfg is not None and cfg.tma_store and _tma_store_ok(call, o, cfg):
-                tma.append(o.name)
+                staging = cfg.block_m * int(cfg.block_n * call.graph.node(o.x).frac_width) * call.out_dtype(o).itemsize
+                if smem + staging <= autotune.SMEM_LIMIT:
+                    smem += staging
+                    tma.append(o.name)
     tiles = tuple(s.name for s in call.graph.operands
                   if s.kind == Kind.TILE and cfg is not None and _tma_tile_ok(call, s.name, cfg))
     forms = tuple((f.name, f.dtype) for f in call.forms)

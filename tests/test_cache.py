@@ -53,11 +53,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_script(tmp_path: Path, cache: Path, *consts: float) -> dict:
+def run_script(tmp_path: Path, cache: Path, *consts: float, hash_seed: int = 0) -> dict:
     """Run SCRIPT in a fresh interpreter with CODA_CACHE_DIR=cache; its parsed JSON output."""
     script = tmp_path / "cache_script.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "CODA_CACHE_DIR": str(cache), "CODA_AUTOTUNE": "0"}
+    env = {**os.environ, "CODA_CACHE_DIR": str(cache), "CODA_AUTOTUNE": "0", "PYTHONHASHSEED": str(hash_seed)}
     proc = subprocess.run([sys.executable, str(script), *map(str, consts)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -71,11 +71,12 @@ def kernel_files(cache: Path, graph_hash: str) -> list[Path]:
 
 def test_fresh_process_reuses_disk_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    first = run_script(tmp_path, cache, 0.5)
-    second = run_script(tmp_path, cache, 0.5)
+    first = run_script(tmp_path, cache, 0.5, hash_seed=1)
+    second = run_script(tmp_path, cache, 0.5, hash_seed=2)
     assert first["stats"].get("generated") == 1 and first["stats"].get("disk_hits", 0) == 0
     assert second["stats"].get("disk_hits") == 1 and second["stats"].get("generated", 0) == 0
     (call1,), (call2,) = first["calls"], second["calls"]
+    assert call1["hash"] == call2["hash"]  # canonical across processes (their hash seeds differ)
     assert call1["out"] == call2["out"] == call1["ref"]
     assert len(kernel_files(cache, call1["hash"])) == 1
 

@@ -214,7 +214,7 @@ def test_failing_configs_are_skipped(fake_measure: list[Config], monkeypatch: py
     assert cfg.block_n != 256
 
 
-def test_spilling_configs_lose_to_clean_ones(fake_measure: list[Config]) -> None:
+def test_spilling_configs_are_pruned(fake_measure: list[Config]) -> None:
     cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
                           lambda c: 12 if c.block_n == 256 else 0)
     assert cfg.block_n != 256

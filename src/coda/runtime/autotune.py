@@ -2,7 +2,8 @@
 
 Candidates come from a Hopper config space, pruned before any benchmark by what
 cannot work (shared memory, accumulator registers, pair and group constraints),
-then by what the compiler reports (spills). Each survivor is benchmarked *with the
+then, once compiled, by what the compiler reports: a config with local memory (register
+spills) is not benchmarked unless every config spills. Each survivor is benchmarked *with the
 epilogue fused in* on the caller's own inputs. Winners are stored one JSON file per
 key under `$CODA_CACHE_DIR/tuning/`, written atomically; an unreadable or stale
 entry is ignored and retuned.
@@ -174,32 +175,34 @@ def tune(
     option variants of the `top` best that `keep` admits; store and return the winner."""
     _say(f"tuning {graph.name} M<={key.m_bucket} N={key.n} K={key.k} on {key.gpu}: {len(configs)} configs + variants")
     timings: dict[Config, float] = {}
-    local_mem: set[Config] = set()
+    spilling: list[Config] = []  # compiled, but with local memory: benchmarked only if nothing else runs
     t0 = time.time()
 
-    def bench(batch: list[Config]) -> None:
+    def bench(batch: list[Config], check_spills: bool = True) -> None:
         for i, cfg in enumerate(batch, 1):
             try:
                 launch(cfg)  # compiles; errors (e.g. out of resources) drop the config
+                spilled = spills(cfg) if check_spills else None
+                if spilled:
+                    spilling.append(cfg)
+                    _say(f"  [{i}/{len(batch)}] {_label(cfg)}: pruned, {spilled} B of local memory (spills)")
+                    continue
                 ms = measure(lambda: launch(cfg))
             except Exception as exc:  # noqa: BLE001 - a config that fails to build is pruned, not fatal
                 _say(f"  [{i}/{len(batch)}] {_label(cfg)}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
                 continue
             timings[cfg] = ms
-            spilled = spills(cfg)
-            if spilled:
-                local_mem.add(cfg)
-            _say(f"  [{i}/{len(batch)}] {_label(cfg)}: {ms:.4f} ms" + (f" ({spilled} B local memory)" if spilled else ""))
+            _say(f"  [{i}/{len(batch)}] {_label(cfg)}: {ms:.4f} ms")
 
     bench(configs)
+    if not timings and spilling:  # every config spills: the fastest of those is still the answer
+        _say("every config spills; timing them anyway")
+        bench(spilling, check_spills=False)
     leaders = sorted(timings, key=timings.get)[:top]
-    bench([v for c in leaders for v in option_variants(c) if keep(v) and v not in timings])
+    bench([v for c in leaders for v in option_variants(c) if keep(v) and v not in timings and v not in spilling])
     if not timings:
         raise RuntimeError(f"coda: no config could run {graph.name} for M<={key.m_bucket} N={key.n} K={key.k}")
-    # Prefer configs without local memory (register spills); some kernels always have a little
-    # (sin/cos keep a small local array for their slow path), so then take the fastest of all.
-    clean = [c for c in timings if c not in local_mem] or list(timings)
-    best = min(clean, key=timings.get)
+    best = min(timings, key=timings.get)
     entry = TuneEntry(key=key, config=best, ms=timings[best], candidates=len(timings))
     store_entry(entry)
     _say(f"best {_label(best)} at {timings[best]:.4f} ms ({time.time() - t0:.0f} s, {len(timings)} timed)")

@@ -92,8 +92,9 @@ def _(attn_out, x0, pos, weights, n_heads, n_kv_heads, eps, rope_base):
     m, d = x0.shape
     n_qkv = sum(t.shape[0] for t in weights[6:9])
     rows = x0.new_empty(m, dtype=torch.float32)
-    return (x0.new_empty(m, d), x0.new_empty(m, n_qkv), x0.new_empty(m, d), rows,
-            x0.new_empty(m, 2 * weights[2].shape[0]), torch.empty_like(rows))
+    like = attn_out  # every GEMM output takes the dtype of the chain's first operand
+    return (like.new_empty(m, d), like.new_empty(m, n_qkv), like.new_empty(m, d), rows,
+            like.new_empty(m, 2 * weights[2].shape[0]), torch.empty_like(rows))
 
 
 @torch.library.custom_op("coda::block_segment_bwd", mutates_args=())

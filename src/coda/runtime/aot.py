@@ -15,11 +15,10 @@ from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
-from .config import Config, check_config
+from .config import HOPPER_SMEM_BYTES, Config, check_config
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
           "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1"}
-HOPPER_SMEM_BYTES = 232448  # per-block opt-in limit on sm_90
 
 
 @dataclass

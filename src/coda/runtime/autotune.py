@@ -15,6 +15,7 @@ entry is ignored and retuned.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -28,9 +29,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
 from .cache import atomic_write, cache_dir
+from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
 from .config import Config, check_config, default_config, min_block_n
 
-SMEM_LIMIT = 232448  # bytes per block on sm_90 (227 KiB opt-in)
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
 
 
@@ -49,8 +50,6 @@ class TuneKey(BaseModel):
     template: int
 
     def filename(self) -> str:
-        import hashlib
-
         text = json.dumps(self.model_dump(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24] + ".json"
 

@@ -10,6 +10,9 @@ from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 
 
+HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
+
+
 def _pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import coda
+import harness
 from harness import NOTES, ROWS, by_shape, compiled, fastest_compile, log, rand, ratio, record, rel_err
 
 OPS = ("gemm", "rmsnorm_gemm", "swiglu", "rope", "residual_norm", "lm_head_ce")
@@ -52,6 +53,18 @@ def liger():
 
 # -- ops ---------------------------------------------------------------------------------
 
+def peers(op: str, shape, *, cublas, coda_gemm, eager, coda_fn, check, modes, liger_fn=None, liger_check=None,
+          coda_check=None) -> None:
+    """One op's rows in BENCH.md order: its bare GEMMs, eager, compile, Liger, the fused kernel."""
+    record(op, shape, "cublas_gemm", cublas)
+    record(op, shape, "coda_gemm", coda_gemm)
+    record(op, shape, "eager", eager, check)
+    compiled(op, shape, eager, check, modes)
+    if liger_fn is not None:
+        record(op, shape, "liger", liger_fn, liger_check or check)
+    record(op, shape, "coda", coda_fn, coda_check or check)
+
+
 def bench_gemm(coda) -> None:
     shapes = [(s, s, s) for s in (2048, 4096, 8192)] + [(8192, 16384, 2048), (8192, 2048, 8192), (8192, 3072, 2048),
                                                           (16384, 16384, 2048), (8192, 28672, 4096), (8192, 4096, 14336)]
@@ -64,7 +77,7 @@ def bench_gemm(coda) -> None:
 
 def bench_rmsnorm_gemm(coda, lg, m: int, d: int, ffn: int, modes: list[str]) -> None:
     eps, n = 1e-6, 2 * ffn
-    x, g, w = rand(m, d), (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16), rand(n, d, scale=d**-0.5)
+    x, g, w = rand(m, d), (1 + 0.1 * torch.randn(d, device=harness.DEVICE)).to(torch.bfloat16), rand(n, d, scale=d**-0.5)
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
     ref = (xf * rstd[:, None] * g.float()) @ w.float().T
@@ -79,13 +92,9 @@ def bench_rmsnorm_gemm(coda, lg, m: int, d: int, ffn: int, modes: list[str]) -> 
 
     chk = lambda r: rel_err(r, ref)  # noqa: E731
     shape = (m, n, d)
-    record("rmsnorm_gemm", shape, "cublas_gemm", lambda: x @ w.T)
-    record("rmsnorm_gemm", shape, "coda_gemm", lambda: coda.gemm(h, w.T))
-    record("rmsnorm_gemm", shape, "eager", eager, chk)
-    compiled("rmsnorm_gemm", shape, eager, chk, modes)
-    if lg:
-        record("rmsnorm_gemm", shape, "liger", lambda: F.linear(lg["rms"].LigerRMSNormFunction.apply(x, g, eps), w), chk)
-    record("rmsnorm_gemm", shape, "coda", lambda: coda.gemm(h, w.T, row_scale, rstd=rstd), chk)
+    peers("rmsnorm_gemm", shape, cublas=lambda: x @ w.T, coda_gemm=lambda: coda.gemm(h, w.T), eager=eager,
+          coda_fn=lambda: coda.gemm(h, w.T, row_scale, rstd=rstd), check=chk, modes=modes,
+          liger_fn=(lambda: F.linear(lg["rms"].LigerRMSNormFunction.apply(x, g, eps), w)) if lg else None)
 
 
 def bench_swiglu(coda, lg, m: int, d: int, ffn: int, modes: list[str]) -> None:
@@ -108,14 +117,10 @@ def bench_swiglu(coda, lg, m: int, d: int, ffn: int, modes: list[str]) -> None:
 
     chk = lambda r: rel_err(r, ref)  # noqa: E731
     shape = (m, 2 * ffn, d)
-    record("swiglu", shape, "cublas_gemm", lambda: x @ w_cat.T)
-    record("swiglu", shape, "coda_gemm", lambda: coda.gemm(x, w_il.T))
-    record("swiglu", shape, "eager", eager, chk)
-    compiled("swiglu", shape, eager, chk, modes)
-    if lg:
-        record("swiglu", shape, "liger",
-               lambda: lg["swiglu"].LigerSiLUMulFunction.apply(F.linear(x, w_gate), F.linear(x, w_up)), chk)
-    record("swiglu", shape, "coda", lambda: coda.gemm(x, w_il.T, swiglu), chk)
+    peers("swiglu", shape, cublas=lambda: x @ w_cat.T, coda_gemm=lambda: coda.gemm(x, w_il.T), eager=eager,
+          coda_fn=lambda: coda.gemm(x, w_il.T, swiglu), check=chk, modes=modes,
+          liger_fn=(lambda: lg["swiglu"].LigerSiLUMulFunction.apply(F.linear(x, w_gate), F.linear(x, w_up)))
+          if lg else None)
 
 
 def bench_rope(coda, lg, m: int, d: int, modes: list[str], heads: int = 32, kv_heads: int = 8) -> None:
@@ -123,8 +128,8 @@ def bench_rope(coda, lg, m: int, d: int, modes: list[str], heads: int = 32, kv_h
     nq, nkv = heads * hd, kv_heads * hd
     n = nq + 2 * nkv
     x, w = rand(m, d), rand(n, d, scale=d**-0.5)
-    pos = torch.arange(m, device="cuda") % 4096
-    inv = 10000.0 ** (-torch.arange(0, hd, 2, device="cuda").float() / hd)  # [hd/2]
+    pos = torch.arange(m, device=harness.DEVICE) % 4096
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, device=harness.DEVICE).float() / hd)  # [hd/2]
     theta = pos[:, None].float() * inv[None, :]
     cos = torch.cat([theta.cos(), theta.cos()], -1)  # [m, hd], the standard cache
     sin = torch.cat([theta.sin(), theta.sin()], -1)
@@ -151,9 +156,9 @@ def bench_rope(coda, lg, m: int, d: int, modes: list[str], heads: int = 32, kv_h
     # coda: permute q/k rows so each rotation pair (i, i + hd/2) is two adjacent columns.
     per_head = torch.stack([torch.arange(hd // 2), torch.arange(hd // 2) + hd // 2], 1).reshape(hd)
     perm = torch.cat([(h * hd + per_head) for h in range(heads + kv_heads)] +
-                     [torch.arange(nq + nkv, n)]).cuda()
+                     [torch.arange(nq + nkv, n)]).to(harness.DEVICE)
     w_perm = w[perm]
-    freq = torch.cat([inv.repeat(heads + kv_heads), torch.zeros(nkv // 2, device="cuda")])  # [n/2]; 0 for v
+    freq = torch.cat([inv.repeat(heads + kv_heads), torch.zeros(nkv // 2, device=harness.DEVICE)])  # [n/2]; 0 for v
     unperm = torch.argsort(perm)
 
     @coda.epilogue
@@ -167,27 +172,25 @@ def bench_rope(coda, lg, m: int, d: int, modes: list[str], heads: int = 32, kv_h
     eager = eager_f(bf_cos, bf_sin)
     chk = lambda r: rel_err(r, ref)  # noqa: E731
     shape = (m, n, d)
-    record("rope", shape, "cublas_gemm", lambda: x @ w.T)
-    record("rope", shape, "coda_gemm", lambda: coda.gemm(x, w_perm.T))
-    record("rope", shape, "eager", eager, chk)
-    compiled("rope", shape, eager, chk, modes)
-    if lg:
-        def liger_rope():
-            qkv = F.linear(x, w)
-            q, k, v = qkv.split([nq, nkv, nkv], -1)
-            qr, kr = lg["rope"].rope_forward(q.view(1, m, heads, hd).transpose(1, 2), k.view(1, m, kv_heads, hd).transpose(1, 2),
-                                             bf_cos[None], bf_sin[None])[:2]
-            return qr, kr, v
-        record("rope", shape, "liger", liger_rope,
-               lambda r: rel_err(torch.cat([r[0].transpose(1, 2).reshape(m, nq), r[1].transpose(1, 2).reshape(m, nkv), r[2]], -1), ref))
-    record("rope", shape, "coda", lambda: coda.gemm(x, w_perm.T, rope, pos=pos, freq=freq),
-           lambda r: rel_err(r[:, unperm], ref))
+    def liger_rope():
+        qkv = F.linear(x, w)
+        q, k, v = qkv.split([nq, nkv, nkv], -1)
+        qr, kr = lg["rope"].rope_forward(q.view(1, m, heads, hd).transpose(1, 2), k.view(1, m, kv_heads, hd).transpose(1, 2),
+                                         bf_cos[None], bf_sin[None])[:2]
+        return qr, kr, v
+
+    def liger_check(r) -> float:
+        return rel_err(torch.cat([r[0].transpose(1, 2).reshape(m, nq), r[1].transpose(1, 2).reshape(m, nkv), r[2]], -1), ref)
+
+    peers("rope", shape, cublas=lambda: x @ w.T, coda_gemm=lambda: coda.gemm(x, w_perm.T), eager=eager,
+          coda_fn=lambda: coda.gemm(x, w_perm.T, rope, pos=pos, freq=freq), check=chk, modes=modes,
+          liger_fn=liger_rope if lg else None, liger_check=liger_check, coda_check=lambda r: rel_err(r[:, unperm], ref))
 
 
 def bench_residual_norm(coda, lg, m: int, d: int, ffn: int, modes: list[str]) -> None:
     eps = 1e-6
     y, w, x_prev = rand(m, ffn), rand(d, ffn, scale=ffn**-0.5), rand(m, d)
-    g = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16)
+    g = (1 + 0.1 * torch.randn(d, device=harness.DEVICE)).to(torch.bfloat16)
     xf = y.float() @ w.float().T + x_prev.float()
     ref_n = F.rms_norm(xf, (d,), g.float(), eps)
 
@@ -206,20 +209,16 @@ def bench_residual_norm(coda, lg, m: int, d: int, ffn: int, modes: list[str]) ->
 
     chk = lambda r: max(rel_err(r[0], xf), rel_err(r[1], ref_n))  # noqa: E731
     shape = (m, d, ffn)
-    record("residual_norm", shape, "cublas_gemm", lambda: y @ w.T)
-    record("residual_norm", shape, "coda_gemm", lambda: coda.gemm(y, w.T))
-    record("residual_norm", shape, "eager", eager, chk)
-    compiled("residual_norm", shape, eager, chk, modes)
-    if lg:
-        record("residual_norm", shape, "liger",
-               lambda: lg["add_rms"].LigerFusedAddRMSNormFunction.apply(F.linear(y, w), x_prev, g, eps)[::-1], chk)
-    record("residual_norm", shape, "coda", fused,
-           lambda r: max(rel_err(r[0], xf), rel_err(r[1].float() * r[2][:, None], ref_n)))
+    peers("residual_norm", shape, cublas=lambda: y @ w.T, coda_gemm=lambda: coda.gemm(y, w.T), eager=eager,
+          coda_fn=fused, check=chk, modes=modes,
+          liger_fn=(lambda: lg["add_rms"].LigerFusedAddRMSNormFunction.apply(F.linear(y, w), x_prev, g, eps)[::-1])
+          if lg else None,
+          coda_check=lambda r: max(rel_err(r[0], xf), rel_err(r[1].float() * r[2][:, None], ref_n)))
 
 
 def bench_lm_head_ce(coda, lg, m: int, d: int, vocab: int, modes: list[str]) -> None:
     h, w = rand(m, d), rand(vocab, d, scale=d**-0.5)
-    target = torch.randint(0, vocab, (m,), device="cuda")
+    target = torch.randint(0, vocab, (m,), device=harness.DEVICE)
     ref = F.cross_entropy(h.float() @ w.float().T, target)
 
     @coda.epilogue
@@ -236,14 +235,9 @@ def bench_lm_head_ce(coda, lg, m: int, d: int, vocab: int, modes: list[str]) -> 
 
     chk = lambda r: abs(r.item() - ref.item()) / 10  # noqa: E731  (loss ~ log V: absolute error / 10 < 2e-2)
     shape = (m, vocab, d)
-    record("lm_head_ce", shape, "cublas_gemm", lambda: h @ w.T)
-    record("lm_head_ce", shape, "coda_gemm", lambda: coda.gemm(h, w.T))
-    record("lm_head_ce", shape, "eager", eager, chk)
-    compiled("lm_head_ce", shape, eager, chk, modes)
-    if lg:
-        record("lm_head_ce", shape, "liger",
-               lambda: lg["ce"].LigerCrossEntropyFunction.apply(F.linear(h, w), target, None)[0], chk)
-    record("lm_head_ce", shape, "coda", fused, chk)
+    peers("lm_head_ce", shape, cublas=lambda: h @ w.T, coda_gemm=lambda: coda.gemm(h, w.T), eager=eager,
+          coda_fn=fused, check=chk, modes=modes,
+          liger_fn=(lambda: lg["ce"].LigerCrossEntropyFunction.apply(F.linear(h, w), target, None)[0]) if lg else None)
 
 
 # -- reporting ---------------------------------------------------------------------------

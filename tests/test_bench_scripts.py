@@ -1,0 +1,51 @@
+"""The GPU benchmark scripts, run on tiny CPU shapes with a stub timer: every variant must
+pass its fp32 correctness check, so the scripts do not rot between GPU sessions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+harness = pytest.importorskip("harness")
+
+
+@pytest.fixture
+def cpu_harness(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(harness, "timed", lambda fn: (fn(), 1.0)[1])
+    harness.ROWS.clear()
+    harness.NOTES.clear()
+    yield harness
+    harness.ROWS.clear()
+    harness.NOTES.clear()
+
+
+def test_gemm_epilogues_script(cpu_harness) -> None:
+    import gemm_epilogues as ge
+
+    ge.bench_rmsnorm_gemm(ge.coda, None, m=40, d=32, ffn=24, modes=[])
+    ge.bench_swiglu(ge.coda, None, m=40, d=32, ffn=24, modes=[])
+    ge.bench_rope(ge.coda, None, 40, 128, modes=[], heads=4, kv_heads=2)
+    ge.bench_residual_norm(ge.coda, None, m=40, d=32, ffn=48, modes=[])
+    ge.bench_lm_head_ce(ge.coda, None, 40, 32, 70, modes=[])
+    assert cpu_harness.NOTES == []
+    assert len(cpu_harness.ROWS) == 5 * 4 and {r["variant"] for r in cpu_harness.ROWS} == {
+        "cublas_gemm", "coda_gemm", "eager", "coda"}
+    assert "| swiglu | 40 | 48 | 32 |" in ge.table(ge.summarize(cpu_harness.ROWS))
+
+
+def test_ops_block_script(cpu_harness) -> None:
+    import ops_block as ob
+
+    ob._LIGER[:] = [None]
+    ob.bench_rmsnorm_linear(40, 32, 48)
+    ob.bench_swiglu_mlp(40, 32, 24)
+    ob.bench_linear_ce(40, 32, 60)
+    ob.bench_block(40, 64, 48, heads=4, kv=2)
+    assert cpu_harness.NOTES == []
+    coda_rows = [r for r in cpu_harness.ROWS if r["variant"] == "coda"]
+    assert {r["op"] for r in coda_rows} == {f"{op}_{p}" for op in ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
+                                           for p in ("fwd", "fwdbwd")}

@@ -60,6 +60,11 @@ def n_total(width: Fraction) -> str:
     return {Fraction(1, 2): "(N // 2)", Fraction(1): "N", Fraction(2): "(N * 2)"}[width]
 
 
+def _col_vars(width: Fraction) -> tuple[str, str]:
+    s = width_suffix(width)
+    return f"cols_{s}", f"mask_{s}"
+
+
 def _literal(value: float) -> str:
     if math.isnan(value):
         return 'float("nan")'
@@ -98,9 +103,9 @@ class EpilogueEmitter:
         self.dtype[node_id] = dtype
 
     def _col_names(self, width: Fraction) -> tuple[str, str]:
+        """The column-offset and mask variables of a width; declares that the tile needs them."""
         self.widths.add(width)
-        s = width_suffix(width)
-        return f"cols_{s}", f"mask_{s}"
+        return _col_vars(width)
 
     # -- operands --------------------------------------------------------------------
     def _load_operand(self, node: InputNode) -> tuple[str, str]:
@@ -181,7 +186,6 @@ class EpilogueEmitter:
             if not isinstance(out, StoreOutput):
                 continue
             width = self.graph.node(out.x).frac_width
-            c, mk = self._col_names(width)
             value = self.f32(out.x)
             dtype = stores[out.name]
             if dtype == "bfloat16" and self.spec.interpret:
@@ -193,6 +197,7 @@ class EpilogueEmitter:
                 # The descriptor clips the ragged edges; no mask needed.
                 lines.append(f"{base}_ptr.store([off_m, {col_start(width)}], {value})")
                 continue
+            c, mk = self._col_names(width)
             lines.append(
                 f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
                 f"mask=mask_m[:, None] & {mk}[None, :])"
@@ -249,7 +254,7 @@ class EpilogueEmitter:
     def emit_columns(self) -> list[str]:
         lines = []
         for width in sorted(self.widths):
-            c, mk = (f"cols_{width_suffix(width)}", f"mask_{width_suffix(width)}")
+            c, mk = _col_vars(width)
             if width == 1:
                 lines += [f"{c} = offs_n", f"{mk} = mask_n"]
             else:

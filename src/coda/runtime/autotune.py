@@ -30,7 +30,7 @@ from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
 from .cache import atomic_write, cache_dir
 from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
-from .config import Config, check_config, default_config, min_block_n
+from .config import Config, check_config, default_config, min_block_n, ring_bytes, staging_bytes
 
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
 
@@ -99,13 +99,12 @@ def option_variants(cfg: Config) -> list[Config]:
 
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
     """Shared memory the kernel needs: the operand ring plus TMA store staging."""
-    ring = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size
     staging = 0
     if cfg.tma_store:
         for o in graph.outputs:
             if isinstance(o, StoreOutput):
-                staging += int(cfg.block_m * cfg.block_n * graph.node(o.x).frac_width) * out_size
-    return ring + staging
+                staging += staging_bytes(cfg, graph.node(o.x).frac_width, out_size)
+    return ring_bytes(cfg, in_size) + staging
 
 
 def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int, n: int) -> str | None:

@@ -13,6 +13,16 @@ from ..ir.nodes import ReduceOutput, StoreOutput
 HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
 
 
+def ring_bytes(cfg: "Config", in_size: int) -> int:
+    """Shared memory of the pipelined A/B operand ring."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size
+
+
+def staging_bytes(cfg: "Config", width: Fraction, out_size: int) -> int:
+    """Shared memory staging one TMA-stored output tile of the given width."""
+    return cfg.block_m * int(cfg.block_n * width) * out_size
+
+
 def _pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 

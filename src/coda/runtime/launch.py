@@ -17,7 +17,7 @@ from .. import __version__
 from ..templates import TEMPLATE_VERSION
 from . import autotune
 from .cache import load_kernel, stats
-from .config import Config, check_config, default_config
+from .config import HOPPER_SMEM_BYTES, Config, check_config, default_config, ring_bytes, staging_bytes
 from .device import device_name, interpreting, num_programs
 from .plan import Plan
 from .validate import IN_DTYPES, Call, validate
@@ -51,10 +51,14 @@ def operand_load(t: torch.Tensor) -> str:
     return "ptr"
 
 
+def _tma_box_ok(cfg: Config, cols: object, itemsize: int) -> bool:
+    """A [BLOCK_M, cols] TMA box: at most 256 per dim and at least 16 bytes per row."""
+    return cols <= 256 and cfg.block_m <= 256 and cols * itemsize >= 16
+
+
 def _tma_store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
-    """A TMA store needs an aligned row-major target and a box of at most 256 per dim."""
-    cols = cfg.block_n * call.graph.node(o.x).frac_width
-    if cols > 256 or cfg.block_m > 256 or cols * call.out_dtype(o).itemsize < 16:
+    """A TMA store needs an aligned row-major target and a legal box."""
+    if not _tma_box_ok(cfg, cfg.block_n * call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize):
         return False
     t = call.out.get(o.name)
     if t is None:  # gemm() allocates it row-major; only the row pitch can break alignment
@@ -66,9 +70,7 @@ def _tma_store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
 def _tma_tile_ok(call: Call, name: str, cfg: Config) -> bool:
     spec = next(s for s in call.graph.operands if s.name == name)
     t = call.operands[name]
-    cols = cfg.block_n * spec.frac_width
-    return (t.dtype != torch.bool and cols <= 256 and cfg.block_m <= 256 and cols * t.element_size() >= 16
-            and _tma_ok(t, 1))
+    return t.dtype != torch.bool and _tma_box_ok(cfg, cfg.block_n * spec.frac_width, t.element_size()) and _tma_ok(t, 1)
 
 
 def _wide(call: Call) -> bool:
@@ -83,13 +85,13 @@ def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tupl
     stores, tma = [], []
     # TMA stores stage each tile in shared memory beside the operand ring: add them while
     # they fit, so a config never fails for want of shared memory because of them.
-    smem = 0 if cfg is None else cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * call.a.element_size()
+    smem = 0 if cfg is None else ring_bytes(cfg, call.a.element_size())
     for o in call.graph.outputs:
         if isinstance(o, StoreOutput):
             stores.append((o.name, IN_DTYPES[call.out_dtype(o)]))
             if cfg is not None and cfg.tma_store and _tma_store_ok(call, o, cfg):
-                staging = cfg.block_m * int(cfg.block_n * call.graph.node(o.x).frac_width) * call.out_dtype(o).itemsize
-                if smem + staging <= autotune.SMEM_LIMIT:
+                staging = staging_bytes(cfg, call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize)
+                if smem + staging <= HOPPER_SMEM_BYTES:
                     smem += staging
                     tma.append(o.name)
     tiles = tuple(s.name for s in call.graph.operands
@@ -188,12 +190,17 @@ def _out_dict(graph: Graph, out: object) -> dict:
 _chosen: dict[tuple, Config] = {}
 
 
+def _memo(call: Call, fields: tuple) -> tuple:
+    """The in-process key of a config choice: the tuning key's parts, before any hashing."""
+    return (call.graph.hash, autotune.m_bucket(call.m), call.n, call.k, fields, autotune.mode())
+
+
 def _pick_config(call: Call, interpret: bool) -> Config:
     graph, m, n, k = call.graph, call.m, call.n, call.k
     if interpret:
         return default_config(graph, call.in_dtype, True, m, n, k)
     fields = _spec_fields(call, interpret)
-    memo = (graph.hash, autotune.m_bucket(m), n, k, fields, autotune.mode())
+    memo = _memo(call, fields)
     cfg = _chosen.get(memo)
     if cfg is not None:
         return cfg
@@ -220,8 +227,7 @@ def _pick_config(call: Call, interpret: bool) -> Config:
 def chosen_config(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: Mapping[str, object]) -> Config | None:
     """The config this process chose for such a call (after one has run), or None."""
     call = validate(graph, a, b, operands, None, interpreting())
-    memo = (graph.hash, autotune.m_bucket(call.m), call.n, call.k, _spec_fields(call, False), autotune.mode())
-    return _chosen.get(memo)
+    return _chosen.get(_memo(call, _spec_fields(call, False)))
 
 
 def _launch(call: Call, cfg: Config, interpret: bool) -> tuple[torch.Tensor | dict[str, torch.Tensor], object]:

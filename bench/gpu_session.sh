@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of H200 work, in priority order, everything under $OUT:
-#   1. the GPU tier of the test suite (default configs; tests pick larger shapes on a GPU)
+#   1. the GPU tier of the test suite (default configs; tests pick larger shapes on a GPU; 8 xdist
+#      workers, since compiling kernels on the host's CPUs is most of its time)
 #   2. the GEMM + forward-epilogue suite (bench/gemm_epilogues.py)
 #   3. the ops + block suite (bench/ops_block.py)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
@@ -20,7 +21,7 @@ export PYTHONUNBUFFERED=1 CODA_CACHE_DIR=${CODA_CACHE_DIR:-/tmp/coda-cache}
 steps=${*:-tests epilogues ops}
 for step in $steps; do
   case $step in
-    tests) CODA_AUTOTUNE=0 timeout 540 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
+    tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
     epilogues) timeout 300 python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
                  | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
     ops) timeout 300 python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \

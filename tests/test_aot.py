@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent('''
         cubin.write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)],
                                capture_output=True, text=True, check=True).stdout
-        fields = dict(re.findall(r"(REG|STACK|LOCAL):(\\d+)", usage.split("Function coda_kernel")[1]))
+        fields = dict(re.findall(r"(REG|STACK|LOCAL):(\\d+)", usage.split("Function coda_")[1]))
         spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", ptxas_log)
         report[name] = {
             "uses_wgmma": result.uses_wgmma, "shared": result.shared, "num_warps": result.num_warps,

@@ -304,8 +304,9 @@ def test_two_processes_tuning_at_once(tmp_path: Path) -> None:
 
 
 def test_tune_command(tmp_path: Path) -> None:
-    """Without a GPU `coda tune` refuses clearly; with one it tunes and reports the winner."""
-    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_TUNE_QUIET": "1"}
+    """Without a GPU `coda tune` refuses clearly; with one it tunes and reports the winner
+    (also under CODA_AUTOTUNE=0, which skips tuning in gemm() but not in the tune command)."""
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_TUNE_QUIET": "1", "CODA_AUTOTUNE": "0"}
     proc = subprocess.run([sys.executable, "-m", "coda", "tune", "plain", "--shape", "256,256,256"],
                           capture_output=True, text=True, timeout=600, env=env)
     if GPU:
@@ -339,3 +340,29 @@ def test_tma_stores_only_while_shared_memory_fits() -> None:
     wide_out = validate(PLAIN, a, b, {}, torch.empty(256, 512), True)
     assert _spec_fields(wide_out, False, cfg)[6] == ()
     assert _spec_fields(validate(PLAIN, a, b, {}, None, True), False, cfg)[6] == ("out",)
+
+
+def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
+    """The SwiGLU-backward epilogue (a width-2 Tile operand, a width-2 and a width-1 output) at
+    the heavy default 128x128x64/4 stages: the z load and both TMA stores would need 294912 B
+    beside the ring, over the 227 KiB limit (an OutOfResources launch on the H200 before this
+    was counted). The Tile load is kept, the stores fall back to pointers while they do not fit."""
+    import torch
+    from coda.ops.epilogues import swiglu_backward
+    from coda.runtime.config import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes
+    from coda.runtime.launch import _spec_fields
+    from coda.runtime.validate import validate
+
+    m, f, d = 256, 256, 64
+    a, b = torch.randn(m, d).bfloat16(), torch.randn(d, f).bfloat16()
+    z = torch.randn(m, 2 * f).bfloat16()
+    cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    fields = _spec_fields(validate(swiglu_backward.graph, a, b, {"z": z}, None, True), False, cfg)
+    tiles, tma_stores = fields[7], fields[6]
+    assert tiles == ("z",)
+    used = ring_bytes(cfg, 2) + staging_bytes(cfg, 2, 2) + sum(
+        staging_bytes(cfg, {"dz": 2, "y": 1}[name], 2) for name in tma_stores)
+    assert used <= HOPPER_SMEM_BYTES
+    assert len(tma_stores) < 2
+    assert autotune.smem_bytes(swiglu_backward.graph, cfg, 2, 2) == ring_bytes(cfg, 2) + 2 * 128 * 256 * 2 + 128 * 128 * 2
+    assert "shared memory" in autotune.prune_reason(swiglu_backward.graph, cfg, 2, 2, 8192, 8192)

@@ -11,10 +11,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 harness = pytest.importorskip("harness")
 
+from conftest import DEVICE  # noqa: E402
+
 
 @pytest.fixture
 def cpu_harness(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    """The scripts' tiny-shape run, on the test tier's device (the CPU under the interpreter)."""
+    monkeypatch.setattr(harness, "DEVICE", str(DEVICE))
     monkeypatch.setattr(harness, "timed", lambda fn: (fn(), 1.0)[1])
     harness.ROWS.clear()
     harness.NOTES.clear()

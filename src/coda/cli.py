@@ -127,8 +127,8 @@ def tune_command(targets: list[str], shapes: list[str], dtype: str, ints: list[s
     if coda.runtime.interpreting():
         print("coda tune: tuning needs a CUDA GPU (kernels here run in Triton's interpreter)", file=sys.stderr)
         return 2
-    if force:
-        os.environ["CODA_AUTOTUNE"] = "force"
+    # The command exists to tune: CODA_AUTOTUNE=0 (skip tuning) would make it a silent no-op.
+    os.environ["CODA_AUTOTUNE"] = "force" if force else "1"
     dt = _DTYPES[dtype]
     for target in targets:
         ep = load_epilogue(target)

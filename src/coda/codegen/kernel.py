@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from ..ir.graph import Graph
 from ..templates import fill
 from .epilogue import EpilogueEmitter
@@ -29,8 +31,14 @@ _B_LOADS = {
 }
 
 
+def kernel_name(graph: Graph) -> str:
+    """`coda_<epilogue>`: the name profilers and Triton's errors show for this kernel."""
+    return "coda_" + re.sub(r"\W", "_", graph.name)
+
+
 def generate(graph: Graph, spec: Specialization) -> str:
-    """Triton source of a kernel `coda_kernel` computing graph(a @ b) for this specialization."""
+    """Triton source of a kernel computing graph(a @ b) for this specialization; the module
+    binds it to `coda_kernel` too."""
     emitter = EpilogueEmitter(graph, spec)
     emitter.emit_values()
     stores = emitter.emit_stores()
@@ -50,6 +58,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
     dot_options = ', input_precision="ieee"' if spec.in_dtype == "float32" else ""
 
     return fill({
+        "kernel_name": kernel_name(graph),
         "epilogue_name": graph.name,
         "graph_hash": graph.hash,
         "args": "\n".join(f"{a}," for a in args),

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
+from ..ir.types import Kind
 from .cache import atomic_write, cache_dir
 from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
 from .config import Config, check_config, default_config, min_block_n, ring_bytes, staging_bytes
@@ -98,8 +99,9 @@ def option_variants(cfg: Config) -> list[Config]:
 
 
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
-    """Shared memory the kernel needs: the operand ring plus TMA store staging."""
-    staging = 0
+    """Shared memory the kernel needs with every Tile operand loaded and (with tma_store) every
+    tile output stored through TMA: the operand ring plus each one's staging tile."""
+    staging = sum(staging_bytes(cfg, s.frac_width, in_size) for s in graph.operands if s.kind == Kind.TILE)
     if cfg.tma_store:
         for o in graph.outputs:
             if isinstance(o, StoreOutput):

@@ -82,23 +82,28 @@ def _wide(call: Call) -> bool:
 
 
 def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:
-    stores, tma = [], []
-    # TMA stores stage each tile in shared memory beside the operand ring: add them while
-    # they fit, so a config never fails for want of shared memory because of them.
-    smem = 0 if cfg is None else ring_bytes(cfg, call.a.element_size())
-    for o in call.graph.outputs:
-        if isinstance(o, StoreOutput):
-            stores.append((o.name, IN_DTYPES[call.out_dtype(o)]))
-            if cfg is not None and cfg.tma_store and _tma_store_ok(call, o, cfg):
-                staging = staging_bytes(cfg, call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize)
-                if smem + staging <= HOPPER_SMEM_BYTES:
-                    smem += staging
+    stores = [(o.name, IN_DTYPES[call.out_dtype(o)]) for o in call.graph.outputs if isinstance(o, StoreOutput)]
+    tiles, tma = [], []
+    if cfg is not None:
+        # Every TMA Tile load and TMA store stages a tile in shared memory beside the operand
+        # ring: Tile loads first, then stores, each while it fits, so that no config fails for
+        # want of shared memory because of them (the rest use pointers).
+        free = HOPPER_SMEM_BYTES - ring_bytes(cfg, call.a.element_size())
+        for s in call.graph.operands:
+            if s.kind == Kind.TILE and _tma_tile_ok(call, s.name, cfg):
+                need = staging_bytes(cfg, s.frac_width, call.operands[s.name].element_size())
+                if need <= free:
+                    free -= need
+                    tiles.append(s.name)
+        for o in call.graph.outputs:
+            if isinstance(o, StoreOutput) and cfg.tma_store and _tma_store_ok(call, o, cfg):
+                need = staging_bytes(cfg, call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize)
+                if need <= free:
+                    free -= need
                     tma.append(o.name)
-    tiles = tuple(s.name for s in call.graph.operands
-                  if s.kind == Kind.TILE and cfg is not None and _tma_tile_ok(call, s.name, cfg))
     forms = tuple((f.name, f.dtype) for f in call.forms)
     return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret, tuple(tma),
-            tiles, _wide(call))
+            tuple(tiles), _wide(call))
 
 
 def _make_spec(fields: tuple) -> Specialization:

@@ -1,0 +1,119 @@
+"""Where the time of coda.ops and the block goes, kernel by kernel, on a GPU.
+
+For each op (forward + backward, the bench/ops_block.py shapes at D=2048, FFN=8192,
+M=8192) and, beside it, its eager PyTorch version: one warm-up (coda tunes there), then
+torch.profiler over a few iterations; per kernel name: launches and device microseconds per
+iteration. coda's GEMM kernels are named `coda_<epilogue>`.
+
+    python bench/profile_ops.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import coda
+from coda.models import BlockWeights, block_segment, reference_block_segment
+from harness import log, rand
+
+ITERS = 3
+
+
+def _grad_step(f, params, grad_out=None):
+    def step():
+        out = f()
+        torch.autograd.grad(out, params, grad_out if grad_out is not None else torch.ones_like(out))
+    return step
+
+
+def workloads(m: int, d: int, f: int, v: int) -> dict[str, dict[str, object]]:
+    """op -> {variant: a callable running forward + backward once}."""
+    x = rand(m, d, grad=True)
+    g = (1 + 0.1 * rand(d)).detach().requires_grad_()
+    w_n = rand(2 * f, d, scale=d**-0.5, grad=True)
+    wg, wu, wd = (rand(f, d, scale=d**-0.5, grad=True), rand(f, d, scale=d**-0.5, grad=True),
+                  rand(d, f, scale=f**-0.5, grad=True))
+    w_v = rand(v, d, scale=d**-0.5, grad=True)
+    t = torch.randint(0, v, (m,), device="cuda")
+    heads, kv = 32, 8
+    hd = d // heads
+    bw = BlockWeights(wo=rand(d, d, scale=d**-0.5, grad=True), g_ffn=g, w_gate=wg, w_up=wu, w_down=wd,
+                      g_attn=(1 + 0.1 * rand(d)).detach().requires_grad_(), wq=rand(d, d, scale=d**-0.5, grad=True),
+                      wk=rand(kv * hd, d, scale=d**-0.5, grad=True), wv=rand(kv * hd, d, scale=d**-0.5, grad=True),
+                      n_heads=heads, n_kv_heads=kv)
+    attn = rand(m, d, grad=True)
+    pos = torch.arange(m, device="cuda") % 4096
+    block_params = (attn, x) + bw.tensors()
+    n_qkv = (heads + 2 * kv) * hd
+    go_block = rand(m, d + n_qkv)
+
+    def block(impl):
+        def run():
+            x2, qkv = impl(attn, x, pos, bw)
+            return torch.cat([x2, qkv], -1)
+        return run
+
+    return {
+        "rmsnorm_linear": {
+            "coda": _grad_step(lambda: coda.ops.rmsnorm_linear(x, g, w_n), (x, g, w_n)),
+            "eager": _grad_step(lambda: F.linear(F.rms_norm(x, (d,), g, 1e-6), w_n), (x, g, w_n)),
+        },
+        "swiglu_mlp": {
+            "coda": _grad_step(lambda: coda.ops.swiglu_mlp(x, wg, wu, wd), (x, wg, wu, wd)),
+            "eager": _grad_step(lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd), (x, wg, wu, wd)),
+        },
+        "linear_ce": {
+            "coda": _grad_step(lambda: coda.ops.linear_cross_entropy(x, w_v, t), (x, w_v)),
+            "eager": _grad_step(lambda: F.cross_entropy(F.linear(x, w_v).float(), t), (x, w_v)),
+        },
+        "block": {
+            "coda": _grad_step(block(block_segment), block_params, go_block),
+            "eager": _grad_step(block(reference_block_segment), block_params, go_block),
+        },
+    }
+
+
+def kernel_table(step) -> list[dict]:
+    """Per kernel name: launches and device microseconds per iteration, slowest first."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(ITERS):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if us > 0:
+            rows.append({"kernel": e.key, "calls": e.count / ITERS, "us": us / ITERS})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="rmsnorm_linear,swiglu_mlp,linear_ce,block")
+    p.add_argument("--out", type=Path, default=Path("/tmp/coda-profile"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_ops.py profiles on a CUDA GPU")
+    torch.manual_seed(0)
+    work = workloads(8192, 2048, 8192, 128256)
+    result = {}
+    for op in args.ops.split(","):
+        for variant, step in work[op].items():
+            rows = kernel_table(step)
+            result[f"{op}/{variant}"] = rows
+            log(f"== {op} {variant}: {sum(r['us'] for r in rows) / 1e3:.3f} ms of kernels per fwd+bwd")
+            for r in rows[:14]:
+                log(f"   {r['us'] / 1e3:8.3f} ms  x{r['calls']:<4g} {r['kernel'][:90]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile_ops.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -94,6 +94,32 @@ def kernel_table(step) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def in_place_vs_fresh(m: int = 8192, d: int = 2048, k: int = 16384) -> dict[str, float]:
+    """The RMSNorm-backward GEMM with the residual gradient (the block's largest), timed writing
+    dx over its `grad` operand (out=grad) and into a fresh tensor: the block profile showed this
+    kernel far slower in the block (in place) than when tuned (fresh scratch outputs)."""
+    import triton
+
+    from coda.ops import epilogues as E
+
+    dz, w = rand(m, k), rand(k, d, scale=k**-0.5)
+    x, grad = rand(m, d), rand(m, d)
+    ops = dict(x=x, norm_weight=(1 + 0.1 * rand(d)), rstd=torch.rand(m, device="cuda") + 0.5,
+               zdz_over_d=torch.randn(m, device="cuda"))
+    ep = E.rmsnorm_backward_residual
+    fresh = torch.empty_like(grad)
+    times = {
+        "fresh": triton.testing.do_bench(lambda: coda.gemm(dz, w, ep, out={"dx": fresh}, grad=grad, **ops),
+                                         return_mode="median"),
+        "in_place": triton.testing.do_bench(lambda: coda.gemm(dz, w, ep, out={"dx": grad}, grad=grad, **ops),
+                                            return_mode="median"),
+        "plain_gemm": triton.testing.do_bench(lambda: coda.gemm(dz, w), return_mode="median"),
+        "cublas": triton.testing.do_bench(lambda: dz @ w, return_mode="median"),
+    }
+    log("== rmsnorm_backward_residual M=%d N=%d K=%d: " % (m, d, k) + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="rmsnorm_linear,swiglu_mlp,linear_ce,block")
@@ -111,6 +137,7 @@ def main() -> None:
             log(f"== {op} {variant}: {sum(r['us'] for r in rows) / 1e3:.3f} ms of kernels per fwd+bwd")
             for r in rows[:14]:
                 log(f"   {r['us'] / 1e3:8.3f} ms  x{r['calls']:<4g} {r['kernel'][:90]}")
+    result["rmsnorm_backward_residual_in_place_vs_fresh_ms"] = in_place_vs_fresh()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_ops.json").write_text(json.dumps(result, indent=1))
 

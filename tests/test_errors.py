@@ -505,7 +505,9 @@ def test_out_reduction_wrong_shape() -> None:
     (dict(block_m=48, block_n=16, block_k=16), r"Config.block_m must be a power of two, got 48"),
     (dict(block_m=16, block_n=16, block_k=8), r"block_k\n.*greater than or equal to 16"),
     (dict(block_m=16, block_n=16, block_k=16, num_wraps=4), r"num_wraps\n.*Extra inputs are not permitted"),
-], ids=["block_n_24", "block_m_48", "block_k_8", "unknown_field"])
+    (dict(block_m=16, block_n=64, block_k=16, subtile=3), r"Config.subtile must be a power of two, got 3"),
+    (dict(block_m=16, block_n=64, block_k=16, subtile=8), r"Config.subtile=8 leaves 8 columns per epilogue subtile; at least 16"),
+], ids=["block_n_24", "block_m_48", "block_k_8", "unknown_field", "subtile_3", "subtile_too_fine"])
 def test_invalid_config(fields: dict, match: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=match):
         coda.Config(**fields)
@@ -513,7 +515,8 @@ def test_invalid_config(fields: dict, match: str) -> None:
 
 def test_block_n_too_small_for_grouped_reduction() -> None:
     a, b = randn(M, K), randn(K, 64)
-    with pytest.raises(ValueError, match=r"Config.block_n=16 is too small: grouped reductions need block_n >= 32"):
+    with pytest.raises(ValueError, match=r"Config.block_n=16 with subtile=1 is too small: grouped reductions need "
+                                         r"block_n // subtile >= 32"):
         coda.runtime.run(wide_head_sums.graph, a, b, {}, config=CFG)
 
 

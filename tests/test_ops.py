@@ -170,6 +170,20 @@ def test_linear_cross_entropy_all_ignored(reduction: str) -> None:
         torch.testing.assert_close(a, b, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cross_entropy_without_gradients(dtype: torch.dtype) -> None:
+    """Evaluation (no_grad, or inputs without requires_grad) takes the statistics-only path: the
+    same loss, and no [tokens, V] tensor comes back from the op."""
+    x, w = leaf(13, 24, dtype=dtype).detach(), leaf(40, 24, dtype=dtype, s=0.5).detach()
+    t = torch.randint(0, 40, (13,), device=DEVICE)
+    ref = reference_ce(x, w, t)
+    close(coda.ops.linear_cross_entropy(x, w, t), ref, dtype, 24, "loss")
+    with torch.no_grad():
+        loss, kept = torch.ops.coda.linear_cross_entropy_fwd(x, w, t, -100, "mean", False)
+    close(loss, ref, dtype, 24, "loss under no_grad")
+    assert kept.numel() == 0
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(4, dtype=torch.long),
                                            reduction="none"), ValueError, "reduction must be one of"),
@@ -188,18 +202,21 @@ def test_linear_cross_entropy_errors(call, exc: type, match: str) -> None:
 # -- the backward epilogues' algebra ------------------------------------------------------------
 
 def test_zdz_identity_and_swiglu_backward_epilogue() -> None:
-    """sum_j y_j gq_j == sum_k z_k dz_k (TRANSFORMER.md 5), and the SwiGLU-backward epilogue
-    gives autograd's dz, the recomputed y and zdz = sum(z * dz)."""
+    """sum_j y_j gq_j == sum_k z_k dz_k (TRANSFORMER.md 5), and the SwiGLU-backward epilogues
+    give autograd's dz, the recomputed y and (the _zdz one) zdz = sum(z * dz)."""
     m, f, d = 11, 12, 16
     z = torch.randn(m, 2 * f, device=DEVICE)
     dy, w_down = torch.randn(m, d, device=DEVICE), torch.randn(d, f, device=DEVICE)
-    out = coda.gemm(dy, w_down, E.swiglu_backward, z=z)
+    out = coda.gemm(dy, w_down, E.swiglu_backward_zdz, z=z)
+    plain = coda.gemm(dy, w_down, E.swiglu_backward, z=z)
+    assert plain.keys() == {"dz", "y"}
     zz = z.clone().requires_grad_()
     gate, up = zz[:, 0::2], zz[:, 1::2]
     y = F.silu(gate) * up
     (dz,) = torch.autograd.grad(y, zz, dy @ w_down)
-    close(out["dz"], dz, torch.float32, d, "dz")
-    close(out["y"], y, torch.float32, d, "y")
+    for o in (out, plain):
+        close(o["dz"], dz, torch.float32, d, "dz")
+        close(o["y"], y, torch.float32, d, "y")
     close(out["zdz"], (z * dz).sum(-1), torch.float32, d, "zdz")
     h, w = torch.randn(m, d, device=DEVICE), torch.randn(2 * f, d, device=DEVICE)
     zf = h @ w.T

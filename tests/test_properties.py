@@ -43,7 +43,13 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 
 Outputs = torch.Tensor | dict[str, torch.Tensor]
 
-configs = st.builds(lambda tma, flat: coda.Config(**BLOCKS, tma_store=tma, flatten=flat), st.booleans(), st.booleans())
+def _config(tma: bool, flat: bool, subtile: int) -> coda.Config:
+    """BLOCKS, or with the epilogue in `subtile` column subtiles of BLOCKS' width (same epilogue tile)."""
+    blocks = {**BLOCKS, "block_n": BLOCKS["block_n"] * subtile}
+    return coda.Config(**blocks, tma_store=tma, flatten=flat, subtile=subtile)
+
+
+configs = st.builds(_config, st.booleans(), st.booleans(), st.sampled_from([1, 2]))
 
 
 def as_dict(x: Outputs) -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """IR nodes -> Triton statements for the epilogue body, operand loads, stores and partials.
 
-Inside a tile, shapes are: scalar -> scalar, vec_m -> [BLOCK_M, 1], vec_n -> [1, C],
-tile -> [BLOCK_M, C], where C is the value's column count (BLOCK_N times its width).
+Inside a (sub)tile, shapes are: scalar -> scalar, vec_m -> [BLOCK_M, 1], vec_n -> [1, C],
+tile -> [BLOCK_M, C], where C is the value's column count (EPI_N, the subtile's columns,
+times its width). Code that depends on columns is emitted once and repeated per subtile
+by codegen; Scalar and VecM loads (`row_loads`) run once per tile.
 Arithmetic is fp32; integer operands and indices stay integers until arithmetic or a
 comparison with a float needs otherwise, so integer comparisons are exact.
 """
@@ -49,7 +51,7 @@ _TL_DTYPE = {
 
 def cols(width: Fraction) -> str:
     """Column count of a tile value of this width, as a constexpr expression."""
-    return {Fraction(1, 2): "(BLOCK_N // 2)", Fraction(1): "BLOCK_N", Fraction(2): "(BLOCK_N * 2)"}[width]
+    return {Fraction(1, 2): "(EPI_N // 2)", Fraction(1): "EPI_N", Fraction(2): "(EPI_N * 2)"}[width]
 
 
 def col_start(width: Fraction) -> str:
@@ -87,7 +89,8 @@ class EpilogueEmitter:
         self.widths: set[Fraction] = set()
         self.var: dict[int, str] = {}
         self.dtype: dict[int, str] = {}  # "f32" | "int" | "bool"
-        self.loads: list[str] = []
+        self.row_loads: list[str] = []  # Scalar and VecM operands: once per tile
+        self.loads: list[str] = []  # the rest: once per subtile
         self.body: list[str] = []
         self._splits: dict[int, tuple[str, str]] = {}
 
@@ -138,11 +141,12 @@ class EpilogueEmitter:
             nid = node.id
             if isinstance(node, InputNode):
                 if node.name == "acc":
-                    self.var[nid], self.dtype[nid] = "acc", "f32"
+                    self.var[nid], self.dtype[nid] = "epi_acc", "f32"
                     continue
                 expr, dtype = self._load_operand(node)
                 name = f"v{nid}"
-                self.loads.append(f"{name} = {expr}")
+                per_row = self.kinds[node.name].kind in (Kind.SCALAR, Kind.VEC_M)
+                (self.row_loads if per_row else self.loads).append(f"{name} = {expr}")
                 self.var[nid], self.dtype[nid] = name, dtype
             elif isinstance(node, ConstNode):
                 self.var[nid], self.dtype[nid] = _literal(node.value), "f32"
@@ -241,7 +245,7 @@ class EpilogueEmitter:
                 f"{r} = {r}_max + tl.log(tl.sum(tl.exp({r} - tl.expand_dims({r}_max, {axis})), axis={axis}))",
             ]
         if out.group is None:
-            lines.append(f"tl.store({base}_ptr + rows * num_pid_n + pid_n, {r}, mask=mask_m)")
+            lines.append(f"tl.store({base}_ptr + rows * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask=mask_m)")
         else:
             g = out.group
             lines += [

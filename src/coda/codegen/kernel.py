@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from ..ir.graph import Graph
+from ..ir.nodes import ReduceOutput
 from ..templates import fill
 from .epilogue import EpilogueEmitter
 from .spec import Specialization, operand_args, output_args
@@ -66,9 +67,30 @@ def generate(graph: Graph, spec: Specialization) -> str:
         "load_b": "\n".join(load_b),
         "dot_options": dot_options,
         "rows": "rows = offs_m.to(tl.int64)" if spec.wide else "rows = offs_m",
-        "columns": "\n".join(columns),
-        "operand_loads": "\n".join(emitter.loads),
-        "body": "\n".join(emitter.body),
-        "stores": "\n".join(stores),
-        "reductions": "\n".join(reductions),
+        "row_loads": "\n".join(emitter.row_loads),
+        "epilogue": "\n".join(_subtiles(spec.subtile, _partials_n(graph),
+                                        columns + emitter.loads + emitter.body + stores + reductions)),
     })
+
+
+def _partials_n(graph: Graph) -> bool:
+    """Whether the epilogue writes per-tile partials of a reduction over N."""
+    return any(isinstance(o, ReduceOutput) and o.axis == "n" and o.group is None for o in graph.outputs)
+
+
+def _subtiles(count: int, partials: bool, block: list[str]) -> list[str]:
+    """Split the accumulator into `count` column subtiles of EPI_N (halving, as Triton's
+    persistent-matmul tutorial does) and run the epilogue block on each in turn."""
+    lines, accs = [], ["acc"]
+    while len(accs) < count:
+        half = f"(BLOCK_N // {2 * len(accs)})"
+        for name in accs:
+            lines.append(f"{name}_0, {name}_1 = tl.split(tl.permute(tl.reshape({name}, (BLOCK_M, 2, {half})), (0, 2, 1)))")
+        accs = [f"{name}_{i}" for name in accs for i in (0, 1)]
+    for h, name in enumerate(accs):
+        lines += [f"epi_acc = {name}", "off_n = pid_n * BLOCK_N" + (f" + {h} * EPI_N" if h else ""),
+                  "offs_n = off_n + tl.arange(0, EPI_N)", "mask_n = offs_n < N"]
+        if partials:  # one partial per subtile: [M, tiles_n * subtiles]
+            lines.append(f"part_n = pid_n * {count} + {h}")
+        lines += block
+    return lines

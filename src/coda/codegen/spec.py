@@ -41,6 +41,7 @@ class Specialization(BaseModel):
     tma_stores: tuple[str, ...] = ()  # tile outputs written through TMA descriptors
     tma_tiles: tuple[str, ...] = ()  # Tile operands read through TMA descriptors
     wide: bool = True  # int64 row offsets: some tensor spans 2**31 elements or more
+    subtile: int = 1  # epilogue column subtiles per output tile (Config.subtile)
 
     def key(self) -> str:
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

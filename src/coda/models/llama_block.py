@@ -6,8 +6,8 @@ The segment runs from after layer l's attention to layer l+1's QKV projection:
     x2 = x1 + (silu(h Wg.T) * (h Wu.T)) @ Wdown.T;  n = rms_norm(x2, g_attn)
     qkv = rope(n Wq.T), rope(n Wk.T), n Wv.T
 
-as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (elementwise) + 2
-RMSNorm-backward GEMMs (residual gradient accumulated in place) + the SwiGLU-backward GEMM
+as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (a row pass) + 2
+RMSNorm-backward GEMMs (each adding into the residual gradient) + the SwiGLU-backward GEMM
 + plain GEMMs backward. Attention stays outside. The qkv output keeps q and k in the
 pair-adjacent order of coda.ops.permute_rope_rows: attention scores are invariant to a
 permutation of head dimensions applied to both q and k, and v is unpermuted.
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..ops import epilogues as E
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from ..ops.rowwise import rope_backward
 from ..runtime import gemm
 
 
@@ -106,22 +107,20 @@ def _bwd(d_x2: torch.Tensor, d_qkv: torch.Tensor, attn_out: torch.Tensor, pos: t
     w = _weights(weights, n_heads, n_kv_heads, eps, rope_base)
     d = x2.shape[-1]
     w_gu, w_qkv, freq = interleave_gate_up(w.w_gate, w.w_up), _qkv_weight(w), _rope_freq(w)
-    d_qkv = d_qkv.contiguous()
-    # RoPE backward: rotate by -theta (elementwise); the rotation keeps dot products, so
+    # RoPE backward: rotate by -theta (a row pass); the rotation keeps dot products, so
     # zdz = sum(z * dz) = sum(qkv * d_qkv).
-    theta = pos[:, None].float() * freq[None, :]
-    c, s = torch.cos(theta), torch.sin(theta)
-    da, db = d_qkv[:, 0::2].float(), d_qkv[:, 1::2].float()
-    dz2 = torch.stack([da * c + db * s, db * c - da * s], dim=-1).reshape(d_qkv.shape).to(d_qkv.dtype)
-    zdz2 = (qkv.float() * d_qkv.float()).sum(-1)
-    grad = d_x2.contiguous().clone()  # the residual gradient, accumulated in place below
-    n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x2,
+    dz2, zdz2 = rope_backward(d_qkv, qkv, pos, freq)
+    # The residual gradient: each RMSNorm-backward GEMM adds its input gradient to it, into a
+    # fresh tensor (bench/profile_ops.py times this against accumulating in place).
+    n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(d_x2)}, grad=d_x2, x=x2,
               norm_weight=w.g_attn, rstd=rstd2, zdz_over_d=zdz2 / d)
+    grad = n2["dx"]
     d_wqkv = gemm(dz2.T, n2["normed"])
-    sb = gemm(grad, w.w_down, E.swiglu_backward, z=z1)
+    sb = gemm(grad, w.w_down, E.swiglu_backward_zdz, z=z1)
     d_wdown = gemm(grad.T, sb["y"])
-    n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, x=x1,
+    n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(grad)}, grad=grad, x=x1,
               norm_weight=w.g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
+    grad = n1["dx"]
     d_wg, d_wu = split_gate_up(gemm(sb["dz"].T, n1["normed"]))
     d_attn = gemm(grad, w.wo)
     d_wo = gemm(grad.T, attn_out)

@@ -1,10 +1,12 @@
 """linear_cross_entropy(x, W, target) = F.cross_entropy(F.linear(x, W).float(), target).
 
 Forward: the LM-head GEMM's epilogue writes per-tile logsumexp and the target logit
-(TRANSFORMER.md 4); the logits are never stored. Backward: the logits are recomputed by
-the same GEMM, whose epilogue writes dl = (softmax - onehot) * scale, then dx = dl @ W and
-dW = dl.T @ x. Logits stay fp32 in the epilogue (the reference rounds them to x.dtype
-first): a difference of one rounding, inside bf16 tolerances.
+(TRANSFORMER.md 4). When gradients will be needed it also stores the logits (in x.dtype,
+as F.linear would), and a row pass turns them in place into their gradient
+G = (softmax - onehot) * w (w = 1/valid rows for "mean", 1 for "sum", 0 for ignored rows)
+right after the forward, so backward is the two GEMMs dx = dloss * G @ W and
+dW = dloss * G.T @ x (dloss as a Scalar epilogue): three GEMMs in all, as unfused, and no
+second read of the logits. Without gradients nothing of [tokens, vocab] size is stored.
 """
 
 from __future__ import annotations
@@ -12,51 +14,57 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
-from .epilogues import cross_entropy_grad, lm_head_stats
+from .epilogues import lm_head_logits, lm_head_stats, scaled
+from .rowwise import cross_entropy_grad_
 
 _REDUCTIONS = ("mean", "sum")
 
 
 @torch.library.custom_op("coda::linear_cross_entropy_fwd", mutates_args=())
-def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-         reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    stats = gemm(x, weight.T, lm_head_stats, target=target)
+def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+         with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, G) where G is the logits' gradient per unit dloss (empty without with_grad)."""
+    stats = gemm(x, weight.T, lm_head_logits if with_grad else lm_head_stats, target=target)
     valid = target != ignore_index
+    count = valid.sum()
     per_row = torch.where(valid, stats["lse"] - stats["target_logit"], 0.0)
-    loss = per_row.sum() / valid.sum() if reduction == "mean" else per_row.sum()
-    return loss, stats["lse"]
+    loss = per_row.sum() / count if reduction == "mean" else per_row.sum()
+    if not with_grad:
+        return loss, x.new_empty(0)
+    weight_row = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
+    w = torch.where(valid, weight_row, 0.0).float()  # 0 for ignored rows (also when every row is)
+    return loss, cross_entropy_grad_(stats["logits"], stats["lse"], target, w)
 
 
 @_fwd.register_fake
-def _(x, weight, target, ignore_index, reduction):
-    return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape[0], dtype=torch.float32)
+def _(x, weight, target, ignore_index, reduction, with_grad):
+    grad = x.new_empty(x.shape[0], weight.shape[0]) if with_grad else x.new_empty(0)
+    return x.new_empty((), dtype=torch.float32), grad
 
 
 @torch.library.custom_op("coda::linear_cross_entropy_bwd", mutates_args=())
-def _bwd(dloss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-         ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    valid = target != ignore_index
-    per_row = dloss.float() / valid.sum() if reduction == "mean" else dloss.float().expand(target.shape)
-    scale = torch.where(valid, per_row, 0.0).contiguous()
-    dl = gemm(x, weight.T, cross_entropy_grad, lse=lse, target=target, scale=scale)
-    return gemm(dl, weight), gemm(dl.T, x)
+def _bwd(dloss: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = dloss.float().reshape(())
+    return gemm(grad, weight, scaled, s=s), gemm(grad.T, x, scaled, s=s)
 
 
 @_bwd.register_fake
-def _(dloss, x, weight, target, lse, ignore_index, reduction):
+def _(dloss, grad, x, weight):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, weight, target, ignore_index, reduction = inputs
-    ctx.save_for_backward(x, weight, target, output[1])
-    ctx.ignore_index, ctx.reduction = ignore_index, reduction
+    x, weight = inputs[:2]
+    ctx.save_for_backward(x, weight, output[1])
 
 
-def _backward(ctx, dloss, _dlse):
-    x, weight, target, lse = ctx.saved_tensors
-    dx, dw = _bwd(dloss, x, weight, target, lse, ctx.ignore_index, ctx.reduction)
-    return dx, dw, None, None, None
+def _backward(ctx, dloss, _dgrad):
+    x, weight, grad = ctx.saved_tensors
+    if grad.numel() == 0 and x.shape[0] and weight.shape[0]:
+        raise RuntimeError("linear_cross_entropy: backward through a forward that ran without gradients "
+                           "(x and weight did not require grad, or grad mode was off)")
+    dx, dw = _bwd(dloss, grad, x, weight)
+    return dx, dw, None, None, None, None
 
 
 torch.library.register_autograd("coda::linear_cross_entropy_fwd", _backward, setup_context=_setup)
@@ -69,6 +77,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
 
     x: [..., D]; weight: [V, D]; target: [...] integer class ids. Returns a 0-d fp32 loss.
     As in PyTorch, "mean" over a batch whose targets are all ignore_index is nan.
+    Memory: with gradients, the logits' gradient ([tokens, V] in x.dtype) is kept from forward
+    to backward, as the unfused and torch.compile versions keep the logits; without, nothing
+    of that size is allocated.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -78,5 +89,6 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         raise ValueError(f"linear_cross_entropy: target {list(target.shape)} must have x's leading shape {list(x.shape[:-1])}")
     if target.dtype.is_floating_point or target.dtype == torch.bool:
         raise TypeError(f"linear_cross_entropy: target must hold integer class ids, got {target.dtype}")
-    loss, _ = _fwd(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), int(ignore_index), reduction)
+    with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    loss, _ = _fwd(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), int(ignore_index), reduction, with_grad)
     return loss

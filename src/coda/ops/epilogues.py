@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..epilogue import epilogue
 from ..ir.trace import col_index, cos, exp, interleave, pairs, reduce_m, reduce_n, sigmoid, silu, sin, where
-from ..ir.types import Tile, VecM, VecN
+from ..ir.types import Scalar, Tile, VecM, VecN
 
 
 @epilogue
@@ -22,6 +22,12 @@ def residual_norm_stats(acc, residual: Tile, norm_weight: VecN):
 def row_scale(acc, rstd: VecM):
     """Section 1, consumer: the RMSNorm row scale applied after the matmul."""
     return acc * rstd
+
+
+@epilogue
+def scaled(acc, s: Scalar):
+    """acc * s: a GEMM whose whole result scales by one number (a loss gradient, say)."""
+    return acc * s
 
 
 @epilogue
@@ -59,6 +65,17 @@ def lm_head_stats(acc, target: VecM):
 
 
 @epilogue
+def lm_head_logits(acc, target: VecM):
+    """Section 4 forward when gradients follow: lm_head_stats plus the logits themselves (in the
+    input dtype), which a row pass turns into their gradient in place (coda.ops.rowwise)."""
+    return {
+        "logits": acc,
+        "lse": reduce_n(acc, "logsumexp"),
+        "target_logit": reduce_n(where(col_index() == target, acc, 0.0), "sum"),
+    }
+
+
+@epilogue
 def cross_entropy_grad(acc, lse: VecM, target: VecM, scale: VecM):
     """Section 4 backward: dl = (softmax(l) - onehot(target)) * scale, from recomputed logits."""
     return (exp(acc - lse) - where(col_index() == target, 1.0, 0.0)) * scale
@@ -84,6 +101,21 @@ def rmsnorm_backward(acc, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: Ve
 
 
 @epilogue
+def rmsnorm_backward_rowterm(acc, x: Tile, norm_weight: VecN, rstd: VecM):
+    """Section 5 when no upstream epilogue produced zdz (a standalone RMSNorm + linear, whose dz
+    comes from the caller): the GEMM reduces zdz = sum_j y_j gq_j itself (y = r*x*g, the norm's
+    output), so dx = u - r^2 * x * zdz / D needs a row pass after it; u = r*g*gq (store it in
+    fp32 through out= to round dx once)."""
+    normed = rstd * x * norm_weight
+    return {
+        "u": rstd * (norm_weight * acc),
+        "normed": normed,
+        "zdz": reduce_n(normed * acc, "sum"),
+        "dg": reduce_m(acc * rstd * x, "sum"),
+    }
+
+
+@epilogue
 def rmsnorm_backward_residual(acc, grad: Tile, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: VecM):
     """Section 5 with the residual gradient: dx = grad + (the RMSNorm input gradient), written
     in place over `grad` (pass it also as out=)."""
@@ -96,8 +128,19 @@ def rmsnorm_backward_residual(acc, grad: Tile, x: Tile, norm_weight: VecN, rstd:
 
 @epilogue
 def swiglu_backward(acc, z: Tile(width=2)):
-    """Section 6: acc = d = dY @ W_down. dz = interleave(dgate, dup) (width 2), y recomputed
-    for dW_down, and zdz = sum(gate*dgate + up*dup) per row for the RMSNorm backward."""
+    """Section 6: acc = d = dY @ W_down. dz = interleave(dgate, dup) (width 2) and y recomputed
+    for dW_down."""
+    gate, up = pairs(z)
+    s = sigmoid(gate)
+    dgate = acc * up * s * (1.0 + gate * (1.0 - s))
+    dup = acc * gate * s
+    return {"dz": interleave(dgate, dup), "y": gate * s * up}
+
+
+@epilogue
+def swiglu_backward_zdz(acc, z: Tile(width=2)):
+    """swiglu_backward when an RMSNorm feeds the MLP: also zdz = sum(gate*dgate + up*dup) per row,
+    that norm's backward row term (section 5)."""
     gate, up = pairs(z)
     s = sigmoid(gate)
     dgate = acc * up * s * (1.0 + gate * (1.0 - s))

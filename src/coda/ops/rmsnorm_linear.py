@@ -1,8 +1,11 @@
 """rmsnorm_linear(x, g, W) = F.linear(F.rms_norm(x, g), W), with the norm inside the GEMMs.
 
-Forward: rstd per row, then (x*g) @ W.T with the row scale in the epilogue (TRANSFORMER.md 1).
-Backward: one GEMM dy @ W whose epilogue gives dx, the normalized input and dg partials
-(section 5, with zdz = sum_k y_k dy_k), then dW = dy.T @ normed.
+Forward: one row pass gives rstd and h = x*g, then h @ W.T with the row scale in the
+epilogue (TRANSFORMER.md 1; in a block the producer GEMM's epilogue writes h and rstd).
+Backward: one GEMM dy @ W whose epilogue gives u = r*g*gq, the normalized input, the row
+term zdz = sum_j y_j gq_j and dg partials (section 5; dy comes from the caller, so zdz is
+reduced here rather than where dy was made), a row pass dx = u - r^2 * x * zdz / D, then
+dW = dy.T @ normed.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
-from .epilogues import rmsnorm_backward, row_scale
+from .epilogues import rmsnorm_backward_rowterm, row_scale
+from .rowwise import rms_input_grad, rms_prep
 
 
 def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
@@ -23,9 +27,7 @@ def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> 
 
 @torch.library.custom_op("coda::rmsnorm_linear_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    h = (xf * norm_weight.float()).to(x.dtype)  # in a block, the producer GEMM's epilogue stores this
+    h, rstd = rms_prep(x, norm_weight, eps)
     return gemm(h, weight.T, row_scale, rstd=rstd), rstd
 
 
@@ -35,30 +37,29 @@ def _(x, norm_weight, weight, eps):
 
 
 @torch.library.custom_op("coda::rmsnorm_linear_bwd", mutates_args=())
-def _bwd(dy: torch.Tensor, y: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+def _bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dy = dy.contiguous()
-    zdz = (y.float() * dy.float()).sum(-1)  # the row term, from where dy is produced (section 5)
-    out = gemm(dy, weight, rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
-               zdz_over_d=zdz / x.shape[-1])
+    u = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    out = gemm(dy, weight, rmsnorm_backward_rowterm, out={"u": u}, x=x, norm_weight=norm_weight, rstd=rstd)
+    dx = rms_input_grad(u, x, rstd * rstd * out["zdz"] / x.shape[-1])
     dw = gemm(dy.T, out["normed"])
-    return out["dx"], out["dg"].to(norm_weight.dtype), dw
+    return dx, out["dg"].to(norm_weight.dtype), dw
 
 
 @_bwd.register_fake
-def _(dy, y, x, norm_weight, weight, rstd):
+def _(dy, x, norm_weight, weight, rstd):
     return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(weight)
 
 
 def _setup(ctx, inputs, output) -> None:
     x, norm_weight, weight, _ = inputs
-    y, rstd = output
-    ctx.save_for_backward(x, norm_weight, weight, y, rstd)
+    ctx.save_for_backward(x, norm_weight, weight, output[1])
 
 
 def _backward(ctx, dy, _drstd):
-    x, norm_weight, weight, y, rstd = ctx.saved_tensors
-    dx, dg, dw = _bwd(dy, y, x, norm_weight, weight, rstd)
+    x, norm_weight, weight, rstd = ctx.saved_tensors
+    dx, dg, dw = _bwd(dy, x, norm_weight, weight, rstd)
     return dx, dg, dw, None
 
 

@@ -53,7 +53,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
             sig[names[0]] = "fp32"
             continue
         if s.name in spec.tma_tiles:
-            sig[names[0]] = f"tensordesc<{_SHORT[form.dtype]}[{cfg.block_m}, {int(cfg.block_n * s.frac_width)}]>"
+            sig[names[0]] = f"tensordesc<{_SHORT[form.dtype]}[{cfg.block_m}, {int(cfg.epi_n * s.frac_width)}]>"
         else:
             sig[names[0]] = f"*{_SHORT[form.dtype]}"
         for n in names[1:]:
@@ -62,14 +62,14 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
     for o in graph.outputs:
         names = output_args(o)
         if isinstance(o, StoreOutput) and o.name in spec.tma_stores:
-            cols = int(cfg.block_n * graph.node(o.x).frac_width)
+            cols = int(cfg.epi_n * graph.node(o.x).frac_width)
             sig[names[0]] = f"tensordesc<{_SHORT[stores[o.name]]}[{cfg.block_m}, {cols}]>"
         else:
             sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
         for n in names[1:]:
             sig[n] = "i32"
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                  "GROUP_M": cfg.group_m, "NUM_SMS": 132, "FLATTEN": cfg.flatten}
+                  "GROUP_M": cfg.group_m, "NUM_SMS": 132, "FLATTEN": cfg.flatten, "EPI_N": cfg.epi_n}
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
@@ -85,6 +85,8 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
         raise RuntimeError("compile_hopper needs a process started with TRITON_INTERPRET=0")
     if spec.interpret:
         raise ValueError("compile_hopper needs a specialization with interpret=False")
+    if spec.subtile != cfg.subtile:
+        raise ValueError(f"compile_hopper: the specialization has subtile={spec.subtile}, the config {cfg.subtile}")
     check_config(graph, cfg)
     key = kernel_key(graph, spec)
     path = cache_dir() / "kernels" / f"coda_{key}.py"
@@ -101,7 +103,7 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
 
 def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
                 operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None,
-                tma_stores: bool = True, tma_tiles: bool = True, wide: bool = False) -> Specialization:
+                tma_stores: bool = True, tma_tiles: bool = True, wide: bool = False, subtile: int = 1) -> Specialization:
     """A GPU specialization for AOT tests, as the runtime makes one for aligned inputs of moderate
     size (TMA Tile loads and stores, int32 row offsets); operands default to fp32 tensors, Scalars
     to numbers."""
@@ -115,7 +117,7 @@ def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_
                           store_dtypes=stores, interpret=False,
                           tma_stores=tuple(name for name, _ in stores) if tma_stores else (),
                           tma_tiles=tuple(s.name for s in graph.operands if s.kind == Kind.TILE) if tma_tiles else (),
-                          wide=wide)
+                          wide=wide, subtile=subtile)
 
 
 __all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES"]

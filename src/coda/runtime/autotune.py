@@ -82,19 +82,25 @@ def config_space(in_dtype: str) -> list[Config]:
         stages = (2, 3)
         return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s)
                 for (bm, bn, bk, w), s in itertools.product(shapes, stages)]
-    # bf16/fp16: the tiles that won on the H200 sweep (bench/results/sweep), and their neighbours.
-    tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-             (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 3)]
-    return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in tiles]
+    # bf16/fp16: the tiles that won on the H200 sweep (bench/results/sweep), and their neighbours;
+    # 128x256 also with the epilogue in 128- and 64-column subtiles (heavy epilogues spill without:
+    # sm_90 compiles of the SwiGLU- and RMSNorm-backward epilogues).
+    tiles = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 256, 64, 8, 3, 2), (128, 256, 64, 8, 3, 4),
+             (128, 128, 64, 8, 4, 1),
+             (128, 128, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1), (64, 128, 64, 4, 4, 1),
+             (64, 64, 64, 4, 3, 1)]
+    return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s, subtile=sub)
+            for bm, bn, bk, w, s, sub in tiles]
 
 
 def option_variants(cfg: Config) -> list[Config]:
-    """Round two: the template options (flattened tile loop, TMA stores) on a good tile."""
+    """Round two: the template options (flattened tile loop, TMA stores, epilogue subtiles) on a
+    good tile."""
+    subtiles = (1, 2) if cfg.block_n >= 128 else (1,)
     return [
-        cfg.model_copy(update={"flatten": f, "tma_store": t})
-        for f, t in itertools.product((False, True), (False, True))
-        if (f, t) != (cfg.flatten, cfg.tma_store)
+        cfg.model_copy(update={"flatten": f, "tma_store": t, "subtile": sub})
+        for f, t, sub in itertools.product((False, True), (False, True), subtiles)
+        if (f, t, sub) != (cfg.flatten, cfg.tma_store, cfg.subtile)
     ]
 
 
@@ -111,11 +117,12 @@ def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
 
 def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int, n: int) -> str | None:
     """Why cfg cannot (or need not) run this graph, or None if it is a candidate."""
-    if cfg.block_n < min_block_n(graph):
-        return f"block_n {cfg.block_n} cannot hold whole reduction groups (needs {min_block_n(graph)})"
+    if cfg.epi_n < min_block_n(graph):
+        return (f"block_n {cfg.block_n} / subtile {cfg.subtile} cannot hold whole reduction groups "
+                f"(needs {min_block_n(graph)})")
     for node in graph.nodes:
         if isinstance(node, PairNode):
-            cols = cfg.block_n * graph.node(node.x).frac_width
+            cols = cfg.epi_n * graph.node(node.x).frac_width
             if cols < 2 or cols % 2:
                 return f"pairs need an even column count per tile, got {cols}"
     acc_regs = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
@@ -163,7 +170,8 @@ def measure(fn: Callable[[], object]) -> float:
 
 def _label(cfg: Config) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-            f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}")
+            f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}"
+            f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}")
 
 
 def tune(
@@ -199,7 +207,9 @@ def tune(
         _say("every config spills; timing them anyway")
         bench(spilling, check_spills=False)
     leaders = sorted(timings, key=timings.get)[:top]
-    bench([v for c in leaders for v in option_variants(c) if keep(v) and v not in timings and v not in spilling])
+    # Leaders that differ only in an option share variants: each runs once.
+    variants = dict.fromkeys(v for c in leaders for v in option_variants(c) if keep(v))
+    bench([v for v in variants if v not in timings and v not in spilling])
     if not timings:
         raise RuntimeError(f"coda: no config could run {graph.name} for M<={key.m_bucket} N={key.n} K={key.k}")
     best = min(timings, key=timings.get)

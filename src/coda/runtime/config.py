@@ -19,8 +19,9 @@ def ring_bytes(cfg: "Config", in_size: int) -> int:
 
 
 def staging_bytes(cfg: "Config", width: Fraction, out_size: int) -> int:
-    """Shared memory staging one TMA-stored output tile of the given width."""
-    return cfg.block_m * int(cfg.block_n * width) * out_size
+    """Shared memory staging one TMA-loaded or TMA-stored epilogue tile of the given width (one
+    subtile's: the subtiles of a tile reuse the buffer, as sm_90 compiles show)."""
+    return cfg.block_m * int(cfg.epi_n * width) * out_size
 
 
 def _pow2(x: int) -> bool:
@@ -39,15 +40,25 @@ class Config(BaseModel):
     num_stages: int = 3
     flatten: bool = False  # tl.range(flatten=True): pipeline across the tile loop too
     tma_store: bool = True  # store tile outputs through TMA descriptors where legal (no pointer tiles)
+    # The epilogue runs on BLOCK_N // subtile columns at a time: a heavy epilogue's temporaries
+    # then need a fraction of the registers, so it can follow a wide (128x256) accumulator.
+    subtile: int = Field(default=1, ge=1)
 
     def model_post_init(self, _context: object) -> None:
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_m", "block_n", "block_k", "subtile"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"Config.{name} must be a power of two, got {getattr(self, name)}")
+        if self.epi_n < 16:
+            raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
+
+    @property
+    def epi_n(self) -> int:
+        """Columns of one epilogue subtile."""
+        return self.block_n // self.subtile
 
 
 def min_block_n(graph: Graph) -> int:
-    """The smallest BLOCK_N whose tiles hold whole groups of every grouped reduction."""
+    """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction."""
     need = 16
     for out in graph.outputs:
         if isinstance(out, ReduceOutput) and out.group is not None:
@@ -59,12 +70,14 @@ def min_block_n(graph: Graph) -> int:
 def check_config(graph: Graph, config: Config) -> None:
     """Raise if a config cannot run this graph (grouped reductions need whole groups per tile)."""
     need = min_block_n(graph)
-    if config.block_n < need:
-        raise ValueError(f"Config.block_n={config.block_n} is too small: grouped reductions need block_n >= {need}")
+    if config.epi_n < need:
+        raise ValueError(f"Config.block_n={config.block_n} with subtile={config.subtile} is too small: grouped "
+                         f"reductions need block_n // subtile >= {need}")
 
 
 def _heavy(graph: Graph) -> bool:
-    """Tile operands or several outputs: a 128x256 tile would spill (seen in sm_90 AOT compiles)."""
+    """Tile operands or several outputs: a 128x256 tile would spill, and a 128x128 one without
+    epilogue subtiles does for the SwiGLU backward (seen in sm_90 AOT compiles)."""
     stores = sum(isinstance(o, StoreOutput) for o in graph.outputs)
     return stores > 1 or len(graph.outputs) > 2 or any(s.kind.value == "tile" for s in graph.operands)
 
@@ -77,10 +90,10 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
     elif in_dtype == "float32":
         cfg = Config(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     elif graph.uses_width(Fraction(2)) or _heavy(graph):  # keep the epilogue's tiles in registers
-        cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True)
+        cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True, subtile=2)
     else:  # the H200 sweep's most robust winner (bench/results/sweep)
         cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
     need = min_block_n(graph)
-    if cfg.block_n < need:
-        cfg = cfg.model_copy(update={"block_n": need})
+    if cfg.epi_n < need:
+        cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
     return cfg

@@ -58,7 +58,7 @@ def _tma_box_ok(cfg: Config, cols: object, itemsize: int) -> bool:
 
 def _tma_store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
     """A TMA store needs an aligned row-major target and a legal box."""
-    if not _tma_box_ok(cfg, cfg.block_n * call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize):
+    if not _tma_box_ok(cfg, cfg.epi_n * call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize):
         return False
     t = call.out.get(o.name)
     if t is None:  # gemm() allocates it row-major; only the row pitch can break alignment
@@ -70,7 +70,7 @@ def _tma_store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
 def _tma_tile_ok(call: Call, name: str, cfg: Config) -> bool:
     spec = next(s for s in call.graph.operands if s.name == name)
     t = call.operands[name]
-    return t.dtype != torch.bool and _tma_box_ok(cfg, cfg.block_n * spec.frac_width, t.element_size()) and _tma_ok(t, 1)
+    return t.dtype != torch.bool and _tma_box_ok(cfg, cfg.epi_n * spec.frac_width, t.element_size()) and _tma_ok(t, 1)
 
 
 def _wide(call: Call) -> bool:
@@ -103,15 +103,15 @@ def _spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tupl
                     tma.append(o.name)
     forms = tuple((f.name, f.dtype) for f in call.forms)
     return (call.in_dtype, operand_load(call.a), operand_load(call.b), forms, tuple(stores), interpret, tuple(tma),
-            tuple(tiles), _wide(call))
+            tuple(tiles), _wide(call), 1 if cfg is None else cfg.subtile)
 
 
 def _make_spec(fields: tuple) -> Specialization:
-    in_dtype, a_load, b_load, forms, stores, interpret, tma, tiles, wide = fields
+    in_dtype, a_load, b_load, forms, stores, interpret, tma, tiles, wide, subtile = fields
     return Specialization(
         in_dtype=in_dtype, a_load=a_load, b_load=b_load,
         operands=tuple(OperandForm(name=n, dtype=d) for n, d in forms),
-        store_dtypes=stores, interpret=interpret, tma_stores=tma, tma_tiles=tiles, wide=wide,
+        store_dtypes=stores, interpret=interpret, tma_stores=tma, tma_tiles=tiles, wide=wide, subtile=subtile,
     )
 
 

@@ -55,24 +55,24 @@ class Plan:
             "stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
             "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            "GROUP_M": cfg.group_m, "NUM_SMS": grid[0], "FLATTEN": cfg.flatten,
+            "GROUP_M": cfg.group_m, "NUM_SMS": grid[0], "FLATTEN": cfg.flatten, "EPI_N": cfg.epi_n,
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         }
         forms = {f.name: f for f in spec.operands}
         operands = [(s.name, s.kind, operand_args(s, forms[s.name]), forms[s.name].dtype is None and s.kind == Kind.SCALAR,
-                     [cfg.block_m, int(cfg.block_n * s.frac_width)] if s.name in spec.tma_tiles else None)
+                     [cfg.block_m, int(cfg.epi_n * s.frac_width)] if s.name in spec.tma_tiles else None)
                     for s in graph.operands]
         outs = []
         for o in graph.outputs:
             shape = call.output_shape(o)
             if isinstance(o, StoreOutput):
                 width = graph.node(o.x).frac_width
-                block = [cfg.block_m, int(cfg.block_n * width)] if o.name in spec.tma_stores else None
+                block = [cfg.block_m, int(cfg.epi_n * width)] if o.name in spec.tma_stores else None
                 outs.append(_Out(o, output_args(o), shape, call.out_dtype(o), tma_block=block))
             elif o.group is not None:
                 outs.append(_Out(o, output_args(o), shape, torch.float32))
             else:
-                part = (m, tiles_n) if o.axis == "n" else (tiles_m, shape[0])
+                part = (m, tiles_n * cfg.subtile) if o.axis == "n" else (tiles_m, shape[0])
                 outs.append(_Out(o, output_args(o), shape, torch.float32, partial=part))
         return cls(kernel=kernel, spec=spec, single=graph.outputs[0].name if graph.single else None, static=static,
                    block_a=(cfg.block_m, cfg.block_k), block_b=(cfg.block_k, cfg.block_n), operands=operands,

@@ -1,0 +1,152 @@
+"""Row-wise Triton kernels that the ops need beside their GEMMs: each is one pass over a
+tensor the GEMMs cannot produce in their epilogues (their inputs come from the user or
+need a statistic of a whole row first). One program per row; the row lies in one block.
+
+* `rms_prep`: rstd and h = x * g for a standalone RMSNorm in front of a GEMM;
+* `rms_input_grad`: dx = u - rstd^2 * zdz / D * x, the RMSNorm backward's row correction;
+* `cross_entropy_grad_`: logits -> (softmax - onehot) * scale, in place;
+* `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import interpreting
+from ..templates.jit_helpers import _bf16_rne, _trig
+
+
+@triton.jit
+def _cast(x, OUT: tl.constexpr, RNE: tl.constexpr):
+    # Under the interpreter fp32 -> bf16 truncates; RNE rounds by bits as the GEMM kernels do.
+    if RNE:
+        return _bf16_rne(x)
+    return x.to(OUT)
+
+
+@triton.jit
+def _rms_prep_kernel(x_ptr, g_ptr, h_ptr, rstd_ptr, D, stride_x, stride_h, eps,
+                     BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(rstd_ptr + row, rstd)
+    tl.store(h_ptr + row * stride_h + cols, _cast(x * g, OUT, RNE), mask=mask)
+
+
+@triton.jit
+def _rms_input_grad_kernel(u_ptr, x_ptr, c_ptr, dx_ptr, D, stride_u, stride_x, stride_dx,
+                           BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + row)
+    tl.store(dx_ptr + row * stride_dx + cols, _cast(u - c * x, OUT, RNE), mask=mask)
+
+
+@triton.jit
+def _ce_grad_kernel(l_ptr, lse_ptr, target_ptr, scale_ptr, V, stride_l,
+                    BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    lse = tl.load(lse_ptr + row)
+    target = tl.load(target_ptr + row)
+    scale = tl.load(scale_ptr + row)
+    logits = tl.load(l_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
+    grad = (tl.exp(logits - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+    tl.store(l_ptr + row * stride_l + cols, _cast(grad, OUT, RNE), mask=mask)
+
+
+@triton.jit
+def _rope_backward_kernel(dz_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P, stride_dz, stride_z, stride_out,
+                          BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, BLOCK)
+    mask = pairs < P
+    theta = tl.load(pos_ptr + row).to(tl.float32) * tl.load(freq_ptr + pairs, mask=mask, other=0.0)
+    c, s = _trig(theta, 1), _trig(theta, 0)
+    da = tl.load(dz_ptr + row * stride_dz + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
+    db = tl.load(dz_ptr + row * stride_dz + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
+    za = tl.load(z_ptr + row * stride_z + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
+    zb = tl.load(z_ptr + row * stride_z + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + 2 * pairs, _cast(da * c + db * s, OUT, RNE), mask=mask)
+    tl.store(out_ptr + row * stride_out + 2 * pairs + 1, _cast(db * c - da * s, OUT, RNE), mask=mask)
+    tl.store(zdz_ptr + row, tl.sum(za * da + zb * db, axis=0))
+
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _out_args(dtype: torch.dtype) -> dict:
+    return {"OUT": _TL[dtype], "RNE": dtype == torch.bfloat16 and interpreting()}
+
+
+def _rows(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A 2-D tensor whose rows are contiguous (the kernels walk columns with unit stride)."""
+    if t.dim() != 2:
+        raise ValueError(f"{what} must be 2-D, got shape {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def rms_prep(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rstd): h = x * g in x.dtype, rstd = rsqrt(mean(x^2) + eps) fp32 per row, in one pass."""
+    x = _rows(x, "rms_prep: x")
+    m, d = x.shape
+    h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m:
+        _rms_prep_kernel[(m,)](x, norm_weight, h, rstd, d, x.stride(0), h.stride(0), eps,
+                               BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
+    return h, rstd
+
+
+def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """dx = u - c[:, None] * x in x.dtype (u fp32, c fp32 per row)."""
+    u, x = _rows(u, "rms_input_grad: u"), _rows(x, "rms_input_grad: x")
+    m, d = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if m:
+        _rms_input_grad_kernel[(m,)](u, x, c.contiguous(), dx, d, u.stride(0), x.stride(0), dx.stride(0),
+                                     BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
+    return dx
+
+
+def cross_entropy_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
+                        scale: torch.Tensor) -> torch.Tensor:
+    """logits <- (softmax(logits) - onehot(target)) * scale per row, in place; returns logits."""
+    if logits.stride(1) != 1:
+        raise ValueError("cross_entropy_grad_: logits rows must be contiguous")
+    m, v = logits.shape
+    block = min(4096, triton.next_power_of_2(v))
+    if m:
+        _ce_grad_kernel[(m, triton.cdiv(v, block))](logits, lse.contiguous(), target.contiguous(), scale.contiguous(),
+                                                    v, logits.stride(0), BLOCK=block, **_out_args(logits.dtype))
+    return logits
+
+
+def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
+                  freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz rotated by -theta per adjacent column pair, zdz = sum(z * dz) per row in fp32).
+
+    z is the forward's rotated output: the rotation keeps dot products, so sum(z * dz)
+    equals the pre-rotation input's dot with its gradient (the RMSNorm backward's row term)."""
+    dz, z = _rows(dz, "rope_backward: dz"), _rows(z, "rope_backward: z")
+    m, n = dz.shape
+    out = torch.empty_like(dz, memory_format=torch.contiguous_format)
+    zdz = torch.empty(m, device=dz.device, dtype=torch.float32)
+    if m:
+        _rope_backward_kernel[(m,)](dz, z, pos.contiguous(), freq.float().contiguous(), out, zdz, n // 2,
+                                    dz.stride(0), z.stride(0), out.stride(0),
+                                    BLOCK=triton.next_power_of_2(n // 2), **_out_args(dz.dtype))
+    return out, zdz
+
+
+__all__ = ["rms_prep", "rms_input_grad", "cross_entropy_grad_", "rope_backward"]

@@ -1,0 +1,61 @@
+"""Triton functions that generated kernels import (and coda.ops' row-wise kernels call).
+
+They live in a module, not in the template text, so that every kernel shares one copy.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bf16_rne(x):
+    # fp32 -> bf16 with round-to-nearest-even by bit arithmetic: Triton's interpreter
+    # truncates in its own conversion, so interpreter builds store through this.
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where(x != x, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _tanh(x):
+    # Triton has no portable tanh (libdevice's does not run in the interpreter): odd Taylor
+    # series near 0, where (1 - e) / (1 + e) would cancel, that form elsewhere.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    t = tl.where(ax < 0.25, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _trig(x, shift: tl.constexpr):
+    # sin(x) (shift 0) or cos(x) = sin(x + pi/2) (shift 1) in a third of libdevice's
+    # instructions and without its local-memory slow path (seen in sm_90 SASS): reduce by
+    # q = round(x / (pi/2)) with pi/2 in five 8-bit pieces, r = x - q * pi/2 by fused
+    # multiply-adds (exact while q is: |x| < 2.6e7 on the GPU; the interpreter's unfused
+    # fma keeps it exact for |x| < 1e5), then odd/even polynomials on [-pi/4, pi/4]: ~2 ulp.
+    q = tl.floor(x * 0.6366197723675814 + 0.5)
+    r = tl.fma(q, -1.5703125, x)
+    r = tl.fma(q, -0.000484466552734375, r)
+    r = tl.fma(q, 6.407499313354492e-07, r)
+    r = tl.fma(q, -9.89530235528946e-10, r)
+    r = tl.fma(q, -2.5579538487363607e-12, r)
+    z = r * r
+    s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
+    c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
+    k = (q.to(tl.int32) + shift) & 3
+    return tl.where(k == 0, s, tl.where(k == 1, c, tl.where(k == 2, -s, -c)))
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row-tiles share each column of B while it is in L2.
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n

@@ -1,0 +1,91 @@
+"""The row-wise kernels of coda.ops against plain PyTorch: fp32 within a few fp32 ulps of
+the reduction length, bf16/fp16 outputs within one rounding of the fp32 result."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coda.ops import rowwise
+from conftest import DEVICE, EPS, scale
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def tol(dtype: torch.dtype, n: int) -> dict:
+    """One rounding of the output dtype, plus fp32 accumulation over n terms."""
+    rel = EPS[dtype] + 4 * math.sqrt(n) * EPS[torch.float32]
+    return {"rtol": rel, "atol": rel * 1e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,d", [(7, 48), (3, 200)])
+def test_rms_prep(dtype: torch.dtype, m: int, d: int) -> None:
+    d = scale(d, 16 * d)
+    x, g = torch.randn(m, d, device=DEVICE).to(dtype), torch.randn(d, device=DEVICE).to(dtype)
+    h, rstd = rowwise.rms_prep(x, g, 1e-6)
+    xf = x.float()
+    assert h.dtype == dtype and rstd.dtype == torch.float32
+    torch.testing.assert_close(rstd, torch.rsqrt(xf.pow(2).mean(-1) + 1e-6), **tol(torch.float32, d))
+    torch.testing.assert_close(h.float(), (xf * g.float()).to(dtype).float(), **tol(dtype, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_input_grad(dtype: torch.dtype) -> None:
+    m, d = 5, scale(72, 1024)
+    u, x, c = torch.randn(m, d, device=DEVICE), torch.randn(m, d, device=DEVICE).to(dtype), torch.rand(m, device=DEVICE)
+    dx = rowwise.rms_input_grad(u, x, c)
+    assert dx.dtype == dtype
+    torch.testing.assert_close(dx.float(), (u - c[:, None] * x.float()).to(dtype).float(), **tol(dtype, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_grad_in_place(dtype: torch.dtype) -> None:
+    m, v = 6, scale(300, 10000)  # several column blocks on the GPU
+    logits = (3 * torch.randn(m, v, device=DEVICE)).to(dtype)
+    target = torch.randint(0, v, (m,), device=DEVICE)
+    target[2] = -100
+    scale_rows = torch.rand(m, device=DEVICE)
+    lf = logits.float()
+    lse = torch.logsumexp(lf, -1)
+    want = (torch.softmax(lf, -1) - torch.nn.functional.one_hot(target.clamp_min(0), v) * (target >= 0)[:, None])
+    want = want * scale_rows[:, None]
+    spread = (lf - lse[:, None]).abs().max().item()  # exp's relative error grows with |l - lse|
+    out = rowwise.cross_entropy_grad_(logits, lse, target, scale_rows)
+    assert out.data_ptr() == logits.data_ptr()
+    rel = EPS[dtype] + 4 * (1 + spread) * EPS[torch.float32]
+    torch.testing.assert_close(out.float(), want, rtol=rel, atol=rel * 1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype) -> None:
+    """dz rotated by -theta per adjacent pair (the transpose of the forward rotation), and
+    zdz = sum(z * dz) per row."""
+    m, n = 9, scale(40, 3072)
+    pos = torch.arange(m, device=DEVICE) * 37
+    freq = torch.rand(n // 2, device=DEVICE)
+    dz, z = torch.randn(m, n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
+    out, zdz = rowwise.rope_backward(dz, z, pos, freq)
+    theta = (pos[:, None].float() * freq[None, :]).double()  # the angle is fp32, as in the forward
+    c, s = theta.cos(), theta.sin()
+    a, b = dz.double()[:, 0::2], dz.double()[:, 1::2]
+    want = torch.stack([a * c + b * s, b * c - a * s], -1).reshape(m, n)
+    assert out.dtype == dtype and zdz.dtype == torch.float32
+    # one rounding to dtype of each value, plus a few fp32 ulps of sin/cos and the two products
+    atol = 8 * EPS[torch.float32] * dz.abs().max().item()
+    torch.testing.assert_close(out.double(), want, rtol=EPS[dtype], atol=atol)
+    # fp32 summation: error bounded by n * eps32 * sum|z * dz| (the sum itself may cancel)
+    bound = n * EPS[torch.float32] * (z.double() * dz.double()).abs().sum(-1).max().item()
+    torch.testing.assert_close(zdz.double(), (z.double() * dz.double()).sum(-1), rtol=0, atol=bound)
+
+
+def test_rowwise_rejects_non_matrices() -> None:
+    with pytest.raises(ValueError, match="rms_prep: x must be 2-D"):
+        rowwise.rms_prep(torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE), 1e-6)

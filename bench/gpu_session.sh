@@ -4,8 +4,9 @@
 #      workers, since compiling kernels on the host's CPUs is most of its time)
 #   2. the GEMM + forward-epilogue suite (bench/gemm_epilogues.py)
 #   3. the ops + block suite (bench/ops_block.py)
+#   4. (profile) where the ops' time goes, kernel by kernel (bench/profile_ops.py)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
-#   bash bench/gpu_session.sh tests | epilogues | ops   (each about 4-6 minutes: one device call each,
+#   bash bench/gpu_session.sh tests | epilogues | ops | profile   (each about 4-6 minutes: one device call each,
 #   since a call may run 10 minutes; with no argument all three run, for a machine without that limit)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,10 @@ else
   export PYTHONPATH=$PWD/src
 fi
 export PYTHONUNBUFFERED=1 CODA_CACHE_DIR=${CODA_CACHE_DIR:-/tmp/coda-cache}
+# Tuned configs travel between device calls (each machine starts bare): a carried .tuning.tgz
+# seeds the tuning cache, and the cache goes back as $OUT/tuning.tgz.
+mkdir -p "$CODA_CACHE_DIR"
+[ -f .tuning.tgz ] && tar -C "$CODA_CACHE_DIR" -xzf .tuning.tgz
 steps=${*:-tests epilogues ops}
 for step in $steps; do
   case $step in
@@ -26,6 +31,9 @@ for step in $steps; do
                  | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
     ops) timeout 300 python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
            | tee "$OUT/ops.log" | tail -30 ;;
-    *) echo "unknown step $step (tests, epilogues, ops)"; exit 2 ;;
+    profile) timeout 300 python3 bench/profile_ops.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
+               | tee "$OUT/profile.log" | grep -v Warning | tail -80 ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile)"; exit 2 ;;
   esac
 done
+[ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

@@ -102,6 +102,22 @@ def test_unary(name: str) -> None:
     check(ep, a, b, torch_fn(acc_of(a, b)), config=CFG)
 
 
+@pytest.mark.parametrize("name,dtype", [("round_bf16", torch.bfloat16), ("round_fp16", torch.float16)])
+def test_round_to_a_storage_dtype(name: str, dtype: torch.dtype) -> None:
+    """x as stored in bf16/fp16 and read back, round-to-nearest-even. Integer operands make the
+    accumulator exact (so kernel and oracle round the same value); |acc| reaches past 2048, where
+    bf16 and fp16 no longer hold every integer, so rounding and its ties happen."""
+    fn = getattr(coda, name)
+    ep = coda.epilogue(lambda acc: {"r": fn(acc), "r_scaled": fn(acc * 1.001)})
+    a = torch.randint(-100, 101, (M, K), device=DEVICE).float()
+    b = torch.randint(-12, 13, (N, K), device=DEVICE).float().T
+    acc = acc_of(a, b)
+    assert acc.abs().max() > 2048
+    out = check(ep, a, b, {"r": acc.to(dtype).float(), "r_scaled": (acc * 1.001).to(dtype).float()}, config=CFG)
+    assert not torch.equal(out["r"], acc)  # some values did round
+    torch.testing.assert_close(out["r"], acc.to(dtype).float(), rtol=0, atol=0)
+
+
 def test_unary_on_small_values() -> None:
     """tanh/gelu of small arguments and a saturated sigmoid (|4 acc| up to ~80)."""
     @coda.epilogue

@@ -282,7 +282,14 @@ class Builder:
     # -- steps: each draws its inputs and adds at most a few values ----------------------
     def unary_exact(self) -> None:
         x = self.pick(self.values())
-        fn = self.draw(st.sampled_from(["neg", "abs", "relu", "square"]))
+        fns = ["neg", "abs", "relu", "square"] + (["round_bf16", "round_fp16"] if x.exact else [])
+        fn = self.draw(st.sampled_from(fns))
+        if fn.startswith("round_"):
+            # Both sides round the same exact value: exact again, on a coarser grid (so still a
+            # multiple of 2**-frac), and at most one bf16/fp16 ulp larger in magnitude.
+            self.emit(f"coda.{fn}({x.expr})", kind=x.kind, width=x.width, dtype="float", mag=x.mag * (1 + 2.0**-7),
+                      frac=x.frac)
+            return
         if fn == "square":
             err = 2 * x.mag * x.err + x.err**2
             self.emit(f"coda.square({x.expr})", **_rounded(x.kind, x.width, x.mag**2, err, 2 * x.frac, x.exact))

@@ -43,7 +43,12 @@ def test_rms_input_grad(dtype: torch.dtype) -> None:
     u, x, c = torch.randn(m, d, device=DEVICE), torch.randn(m, d, device=DEVICE).to(dtype), torch.rand(m, device=DEVICE)
     dx = rowwise.rms_input_grad(u, x, c)
     assert dx.dtype == dtype
-    torch.testing.assert_close(dx.float(), (u - c[:, None] * x.float()).to(dtype).float(), **tol(dtype, 1))
+    # The GPU fuses u - c*x into one fma: against the exact value, one rounding of dtype plus
+    # one fp32 rounding of each term (the difference may cancel).
+    want = u.double() - c[:, None].double() * x.double()
+    err = (dx.double() - want).abs()
+    bound = EPS[dtype] * want.abs() + 2 * EPS[torch.float32] * (u.double().abs() + (c[:, None] * x.float()).double().abs())
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,7 +6,7 @@ from . import _platform  # noqa: E402,F401  (must precede any Triton import)
 
 from .ir.trace import (  # noqa: E402
     abs, col_index, cos, exp, gelu, interleave, log, maximum, minimum, pairs, reduce_m, reduce_n,
-    relu, row_index, rsqrt, sigmoid, silu, sin, sqrt, square, tanh, where,
+    relu, round_bf16, round_fp16, row_index, rsqrt, sigmoid, silu, sin, sqrt, square, tanh, where,
 )
 from .ir.types import Scalar, Tile, VecM, VecN  # noqa: E402
 from .epilogue import Epilogue, epilogue  # noqa: E402
@@ -19,6 +19,6 @@ __all__ = [
     "__version__", "Epilogue", "epilogue", "gemm", "Config", "ops", "nn", "models",
     "Scalar", "VecM", "VecN", "Tile",
     "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh", "relu", "sin", "cos", "abs",
-    "square", "maximum", "minimum", "where", "pairs", "interleave", "row_index", "col_index",
+    "square", "round_bf16", "round_fp16", "maximum", "minimum", "where", "pairs", "interleave", "row_index", "col_index",
     "reduce_n", "reduce_m",
 ]

@@ -36,6 +36,8 @@ _UNARY = {
     "cos": "_trig({x}, 1)",
     "abs": "tl.abs({x})",
     "square": "{x} * {x}",
+    "round_bf16": "({x}).to(tl.bfloat16).to(tl.float32)",
+    "round_fp16": "({x}).to(tl.float16).to(tl.float32)",
 }
 _BINARY = {
     "add": "{x} + {y}", "sub": "{x} - {y}", "mul": "{x} * {y}", "div": "tl.div_rn({x}, {y})",
@@ -157,7 +159,10 @@ class EpilogueEmitter:
                     c, _ = self._col_names(node.frac_width)
                     self._set(nid, f"{c}[None, :]", "int")
             elif isinstance(node, UnaryNode):
-                self._set(nid, _UNARY[node.fn].format(x=self.f32(node.x)), "f32")
+                if node.fn == "round_bf16" and self.spec.interpret:  # the interpreter truncates
+                    self._set(nid, f"_bf16_rne({self.f32(node.x)}).to(tl.float32)", "f32")
+                else:
+                    self._set(nid, _UNARY[node.fn].format(x=self.f32(node.x)), "f32")
             elif isinstance(node, BinaryNode):
                 if node.fn in ("lt", "le", "gt", "ge", "eq", "ne"):
                     x, y = self.var[node.x], self.var[node.y]

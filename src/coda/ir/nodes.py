@@ -17,7 +17,7 @@ WidthStr = Literal["1/2", "1", "2"]
 
 UNARY_FNS = (
     "neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh",
-    "relu", "sin", "cos", "abs", "square",
+    "relu", "sin", "cos", "abs", "square", "round_bf16", "round_fp16",
 )
 ARITH_FNS = ("add", "sub", "mul", "div", "maximum", "minimum")
 COMPARE_FNS = ("lt", "le", "gt", "ge", "eq", "ne")

@@ -23,6 +23,7 @@ _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "sigmoid": torch.sigmoid, "silu": F.silu, "gelu": F.gelu, "tanh": torch.tanh, "relu": torch.relu,
     "sin": torch.sin, "cos": torch.cos, "abs": torch.abs, "square": lambda x: x * x,
+    "round_bf16": lambda x: x.to(torch.bfloat16).float(), "round_fp16": lambda x: x.to(torch.float16).float(),
 }
 _ARITH = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,

@@ -168,6 +168,8 @@ def sin(x): return _unary("sin", x)
 def cos(x): return _unary("cos", x)
 def abs(x): return _unary("abs", x)  # noqa: A001 - the public name is coda.abs
 def square(x): return _unary("square", x)
+def round_bf16(x): return _unary("round_bf16", x)  # x as stored in bfloat16 and read back
+def round_fp16(x): return _unary("round_fp16", x)  # x as stored in float16 and read back
 
 
 def _binary_fn(fn: str, x: object, y: object) -> Value:

@@ -1,8 +1,9 @@
 """linear_cross_entropy(x, W, target) = F.cross_entropy(F.linear(x, W).float(), target).
 
 Forward: the LM-head GEMM's epilogue writes per-tile logsumexp and the target logit
-(TRANSFORMER.md 4). When gradients will be needed it also stores the logits (in x.dtype,
-as F.linear would), and a row pass turns them in place into their gradient
+(TRANSFORMER.md 4) of the logits rounded to x.dtype, as F.linear would store them. When
+gradients will be needed it also stores those logits, and a row pass turns them in place
+into their gradient
 G = (softmax - onehot) * w (w = 1/valid rows for "mean", 1 for "sum", 0 for ignored rows)
 right after the forward, so backward is the two GEMMs dx = dloss * G @ W and
 dW = dloss * G.T @ x (dloss as a Scalar epilogue): three GEMMs in all, as unfused, and no
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
-from .epilogues import lm_head_logits, lm_head_stats, scaled
+from .epilogues import lm_head, scaled
 from .rowwise import cross_entropy_grad_
 
 _REDUCTIONS = ("mean", "sum")
@@ -24,7 +25,7 @@ _REDUCTIONS = ("mean", "sum")
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
          with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, G) where G is the logits' gradient per unit dloss (empty without with_grad)."""
-    stats = gemm(x, weight.T, lm_head_logits if with_grad else lm_head_stats, target=target)
+    stats = gemm(x, weight.T, lm_head(x.dtype, keep_logits=with_grad), target=target)
     valid = target != ignore_index
     count = valid.sum()
     per_row = torch.where(valid, stats["lse"] - stats["target_logit"], 0.0)

@@ -6,8 +6,14 @@ Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference ch
 
 from __future__ import annotations
 
-from ..epilogue import epilogue
-from ..ir.trace import col_index, cos, exp, interleave, pairs, reduce_m, reduce_n, sigmoid, silu, sin, where
+from typing import Callable
+
+import torch
+
+from ..epilogue import Epilogue, epilogue
+from ..ir.trace import (
+    col_index, cos, exp, interleave, pairs, reduce_m, reduce_n, round_bf16, round_fp16, sigmoid, silu, sin, where,
+)
 from ..ir.types import Scalar, Tile, VecM, VecN
 
 
@@ -64,15 +70,30 @@ def lm_head_stats(acc, target: VecM):
     }
 
 
-@epilogue
-def lm_head_logits(acc, target: VecM):
-    """Section 4 forward when gradients follow: lm_head_stats plus the logits themselves (in the
-    input dtype), which a row pass turns into their gradient in place (coda.ops.rowwise)."""
-    return {
-        "logits": acc,
-        "lse": reduce_n(acc, "logsumexp"),
-        "target_logit": reduce_n(where(col_index() == target, acc, 0.0), "sum"),
-    }
+def lm_head(dtype: torch.dtype, keep_logits: bool) -> Epilogue:
+    """Section 4 forward as linear_cross_entropy runs it: lm_head_stats over the logits rounded
+    to `dtype` (as F.linear would store them, so that the statistics, and the softmax that a row
+    pass later takes of stored logits, match the unfused op's), plus the logits themselves when
+    `keep_logits` (for the gradient, coda.ops.rowwise)."""
+    return _LM_HEAD[(dtype, keep_logits)]
+
+
+def _lm_head_epilogue(rounding: Callable | None, keep_logits: bool, name: str) -> Epilogue:
+    def fn(acc, target: VecM):
+        logits = acc if rounding is None else rounding(acc)
+        out = {
+            "lse": reduce_n(logits, "logsumexp"),
+            "target_logit": reduce_n(where(col_index() == target, logits, 0.0), "sum"),
+        }
+        return {"logits": logits, **out} if keep_logits else out
+
+    fn.__name__ = name
+    return epilogue(fn)
+
+
+_ROUNDING = {torch.bfloat16: ("bf16", round_bf16), torch.float16: ("fp16", round_fp16), torch.float32: ("fp32", None)}
+_LM_HEAD = {(dtype, keep): _lm_head_epilogue(rounding, keep, f"lm_head_{'logits' if keep else 'stats'}_{tag}")
+            for dtype, (tag, rounding) in _ROUNDING.items() for keep in (False, True)}
 
 
 @epilogue

@@ -15,12 +15,30 @@ from .config import Config
 from .validate import Call
 
 
-def _descriptor(t: torch.Tensor, mode: str, rows: int, cols: int) -> object:
+@dataclass(frozen=True)
+class _Layout:
+    """A TMA descriptor's fixed part (shape, strides, box). The plan key fixes every tensor's
+    shape, strides, dtype and alignment, so a call only binds its tensor: Triton's
+    `TensorDescriptor` checks would re-verify per call what planning verified once."""
+
+    shape: list[int]
+    strides: list[int]
+    block: list[int]
+
+    def bind(self, t: torch.Tensor) -> TensorDescriptor:
+        d = object.__new__(TensorDescriptor)
+        d.base, d.shape, d.strides, d.block_shape, d.padding = t, self.shape, self.strides, self.block, "zero"
+        return d
+
+
+def _operand_layout(t: torch.Tensor, mode: str, block_rows: int, block_cols: int) -> _Layout | None:
+    """How the template reads a GEMM operand: row-major TMA, TMA of its transpose (base is the
+    same memory), or pointers (None)."""
     if mode == "tma_row":
-        return TensorDescriptor.from_tensor(t, [rows, cols])
+        return _Layout([t.shape[0], t.shape[1]], [t.stride(0), 1], [block_rows, block_cols])
     if mode == "tma_col":
-        return TensorDescriptor.from_tensor(t.T, [cols, rows])
-    return t
+        return _Layout([t.shape[1], t.shape[0]], [t.stride(1), 1], [block_cols, block_rows])
+    return None
 
 
 @dataclass
@@ -29,7 +47,7 @@ class _Out:
     names: list[str]
     shape: tuple[int, ...]
     dtype: torch.dtype
-    tma_block: list[int] | None = None  # TMA-stored tile outputs
+    layout: _Layout | None = None  # TMA-stored tile outputs
     partial: tuple[int, int] | None = None  # reductions finalized from per-tile partials
 
 
@@ -39,9 +57,9 @@ class Plan:
     spec: Specialization
     single: str | None  # the output name when gemm returns a tensor
     static: dict[str, object]  # sizes, strides and constexprs
-    block_a: tuple[int, int]
-    block_b: tuple[int, int]
-    operands: list[tuple[str, Kind, list[str], bool, list[int] | None]]  # name, kind, args, number?, TMA box
+    layout_a: _Layout | None
+    layout_b: _Layout | None
+    operands: list[tuple[str, str, bool, _Layout | None]]  # name, pointer argument, number?, TMA layout
     outs: list[_Out]
     grid: tuple[int]
 
@@ -59,56 +77,64 @@ class Plan:
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
         }
         forms = {f.name: f for f in spec.operands}
-        operands = [(s.name, s.kind, operand_args(s, forms[s.name]), forms[s.name].dtype is None and s.kind == Kind.SCALAR,
-                     [cfg.block_m, int(cfg.epi_n * s.frac_width)] if s.name in spec.tma_tiles else None)
-                    for s in graph.operands]
+        operands = []
+        for s in graph.operands:
+            names = operand_args(s, forms[s.name])
+            v = call.operands[s.name]
+            layout = None
+            if s.kind == Kind.TILE:
+                static[names[1]], static[names[2]] = v.stride(0), v.stride(1)
+                if s.name in spec.tma_tiles:
+                    layout = _Layout([v.shape[0], v.shape[1]], [v.stride(0), 1],
+                                     [cfg.block_m, int(cfg.epi_n * s.frac_width)])
+            elif s.kind != Kind.SCALAR:
+                static[names[1]] = v.stride(0)
+            operands.append((s.name, names[0], forms[s.name].dtype is None and s.kind == Kind.SCALAR, layout))
         outs = []
         for o in graph.outputs:
             shape = call.output_shape(o)
+            names = output_args(o)
             if isinstance(o, StoreOutput):
+                given = call.out.get(o.name)
+                strides = [given.stride(0), given.stride(1)] if given is not None else [shape[1], 1]
+                static[names[1]], static[names[2]] = strides
                 width = graph.node(o.x).frac_width
-                block = [cfg.block_m, int(cfg.epi_n * width)] if o.name in spec.tma_stores else None
-                outs.append(_Out(o, output_args(o), shape, call.out_dtype(o), tma_block=block))
+                layout = (_Layout(list(shape), strides, [cfg.block_m, int(cfg.epi_n * width)])
+                          if o.name in spec.tma_stores else None)
+                outs.append(_Out(o, names, shape, call.out_dtype(o), layout=layout))
             elif o.group is not None:
-                outs.append(_Out(o, output_args(o), shape, torch.float32))
+                given = call.out.get(o.name)
+                static[names[1]], static[names[2]] = [given.stride(0), given.stride(1)] if given is not None else [shape[1], 1]
+                outs.append(_Out(o, names, shape, torch.float32))
             else:
                 part = (m, tiles_n * cfg.subtile) if o.axis == "n" else (tiles_m, shape[0])
-                outs.append(_Out(o, output_args(o), shape, torch.float32, partial=part))
+                outs.append(_Out(o, names, shape, torch.float32, partial=part))
         return cls(kernel=kernel, spec=spec, single=graph.outputs[0].name if graph.single else None, static=static,
-                   block_a=(cfg.block_m, cfg.block_k), block_b=(cfg.block_k, cfg.block_n), operands=operands,
-                   outs=outs, grid=grid)
+                   layout_a=_operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k),
+                   layout_b=_operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n),
+                   operands=operands, outs=outs, grid=grid)
 
     def execute(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict) -> tuple[object, object]:
         """Bind this call's tensors, launch, finalize reductions; (results, compiled kernel)."""
         args = dict(self.static)
-        args["a_src"] = _descriptor(a, self.spec.a_load, *self.block_a)
-        args["b_src"] = _descriptor(b, self.spec.b_load, *self.block_b)
-        for name, kind, names, number, box in self.operands:
+        args["a_src"] = self.layout_a.bind(a) if self.layout_a else a
+        args["b_src"] = self.layout_b.bind(b) if self.layout_b else b
+        for name, arg, number, layout in self.operands:
             v = operands[name]
-            if number:
-                args[names[0]] = float(v)
-            elif kind == Kind.SCALAR:
-                args[names[0]] = v
-            elif kind == Kind.TILE:
-                args[names[0]] = TensorDescriptor.from_tensor(v, box) if box else v
-                args[names[1]], args[names[2]] = v.stride(0), v.stride(1)
-            else:
-                args[names[0]], args[names[1]] = v, v.stride(0)
+            args[arg] = float(v) if number else layout.bind(v) if layout else v
         results: dict[str, torch.Tensor] = {}
         finalize = []
         device = a.device
         for o in self.outs:
             target = out.get(o.out.name)
+            t = target if target is not None else torch.empty(o.shape, dtype=o.dtype, device=device)
+            results[o.out.name] = t
             if o.partial is not None:
                 partial = torch.empty(o.partial, dtype=torch.float32, device=device)
                 args[o.names[0]] = partial
                 finalize.append((o.out, partial))
-                results[o.out.name] = target if target is not None else torch.empty(o.shape, dtype=o.dtype, device=device)
-                continue
-            t = target if target is not None else torch.empty(o.shape, dtype=o.dtype, device=device)
-            dst = TensorDescriptor.from_tensor(t, o.tma_block) if o.tma_block else t
-            args[o.names[0]], args[o.names[1]], args[o.names[2]] = dst, t.stride(0), t.stride(1)
-            results[o.out.name] = t
+            else:
+                args[o.names[0]] = o.layout.bind(t) if o.layout else t
         compiled = self.kernel[self.grid](**args)
         for r, partial in finalize:
             dst = results[r.name]

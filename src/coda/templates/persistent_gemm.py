@@ -2,9 +2,10 @@
 
 One program per SM walks output tiles in grouped order; each tile runs the K-loop
 into an fp32 accumulator, then the generated epilogue, once per column subtile of
-EPI_N columns (codegen splits the accumulator and repeats the epilogue per subtile). Hooks are lines of the form
-`<<name>>`, replaced last (after the epilogue has declared what it needs) by
-generated code indented to the hook's column.
+EPI_N columns (codegen splits the accumulator and repeats the epilogue per subtile).
+Hooks are lines of the form `<<name>>`, replaced last (after the epilogue has declared
+what it needs) by generated code indented to the hook's column. The Triton helpers the
+kernels call live in `coda.templates.jit_helpers`.
 """
 
 from __future__ import annotations

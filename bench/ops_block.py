@@ -221,11 +221,16 @@ def main() -> None:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--merge", type=Path, help="write <out>/ops_block.md from a measured JSON")
+    ap.add_argument("--note", help="with --merge: a line for the table (e.g. which commit was measured)")
     args = ap.parse_args()
     if args.merge:
         data = json.loads(args.merge.read_text())
         args.out.mkdir(parents=True, exist_ok=True)
-        md = ["# ops_block", "", data["meta"]["protocol"], "", table(summary(data["rows"])), ""]
+        if args.note:
+            data["meta"] = {**data["meta"], "note": args.note}
+        md = ["# ops_block", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton {data['meta']['triton']}.",
+              "", data["meta"]["protocol"], "", *([args.note, ""] if args.note else []),
+              table(summary(data["rows"])), ""]
         md += [f"* {n}" for n in data["notes"]]
         (args.out / "ops_block.json").write_text(json.dumps({**data, "summary": summary(data["rows"])}, indent=1))
         (args.out / "ops_block.md").write_text("\n".join(md) + "\n")

@@ -6,6 +6,7 @@ torch.profiler over a few iterations; per kernel name: launches and device micro
 iteration. coda's GEMM kernels are named `coda_<epilogue>`.
 
     python bench/profile_ops.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
+    python bench/profile_ops.py --merge DIR/profile_ops.json --out bench/results   # markdown
 """
 
 import argparse
@@ -120,11 +121,37 @@ def in_place_vs_fresh(m: int = 8192, d: int = 2048, k: int = 16384) -> dict[str,
     return times
 
 
+def markdown(result: dict, note: str | None) -> str:
+    """Per op and variant: total kernel time and the kernels over 1% of it."""
+    lines = ["# profile_ops", "", "Device time per forward+backward, kernel by kernel (torch.profiler, mean of "
+             f"{ITERS} iterations after a warm-up), D=2048, FFN=8192, M=8192, V=128256. Produced by "
+             "`bench/profile_ops.py`.", ""]
+    if note:
+        lines += [note, ""]
+    for key, rows in result.items():
+        if not isinstance(rows, list):
+            lines += [f"## {key}", "", ", ".join(f"{n}: {t:.3f} ms" for n, t in rows.items()), ""]
+            continue
+        total = sum(r["us"] for r in rows)
+        lines += [f"## {key}: {total / 1e3:.3f} ms of kernels", "", "| ms | launches | kernel |", "|---|---|---|"]
+        lines += [f"| {r['us'] / 1e3:.3f} | {r['calls']:g} | `{r['kernel'][:80]}` |" for r in rows if r["us"] > 0.01 * total]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="rmsnorm_linear,swiglu_mlp,linear_ce,block")
     p.add_argument("--out", type=Path, default=Path("/tmp/coda-profile"))
+    p.add_argument("--merge", type=Path, help="write <out>/profile_ops.{json,md} from a measured JSON")
+    p.add_argument("--note", help="with --merge: a line for the page (e.g. which commit was measured)")
     args = p.parse_args()
+    if args.merge:
+        result = json.loads(args.merge.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_ops.json").write_text(json.dumps(result, indent=1))
+        (args.out / "profile_ops.md").write_text(markdown(result, args.note))
+        return
     if not torch.cuda.is_available():
         sys.exit("profile_ops.py profiles on a CUDA GPU")
     torch.manual_seed(0)

@@ -195,12 +195,18 @@ def _liger():
 
 
 def summary(rows: list[dict]) -> list[dict]:
+    """Ratios per (op, shape); the block also as handed to attention (coda_native_layout: q, k
+    in coda's pair-adjacent head order, no un-permute; the same kernels as the checked row)."""
     out = []
     for (op, m, n, k), v in by_shape(rows).items():
-        c, coda_ms = fastest_compile(v), v.get("coda")
-        out.append({"op": op, "M": m, "N": n, "K": k, **{f"ms_{key}": val for key, val in v.items()}, "ms_compile": c,
-                    "coda/gemms": ratio(coda_ms, v.get("gemms")), "eager/coda": ratio(v.get("eager"), coda_ms),
-                    "compile/coda": ratio(c, coda_ms), "liger/coda": ratio(v.get("liger"), coda_ms)})
+        c = fastest_compile(v)
+        for label, coda_ms in ((op, v.get("coda")), (f"{op} (native layout)", v.get("coda_native_layout"))):
+            if coda_ms is None:
+                continue
+            out.append({"op": label, "M": m, "N": n, "K": k, **{f"ms_{key}": val for key, val in v.items()},
+                        "ms_compile": c, "ms_coda": coda_ms,
+                        "coda/gemms": ratio(coda_ms, v.get("gemms")), "eager/coda": ratio(v.get("eager"), coda_ms),
+                        "compile/coda": ratio(c, coda_ms), "liger/coda": ratio(v.get("liger"), coda_ms)})
     return out
 
 

@@ -71,3 +71,21 @@ def test_block_traces_into_one_graph() -> None:
     params = (attn, x0) + w.tensors()
     for a, b in zip(torch.autograd.grad(compiled, params), torch.autograd.grad(eager, params)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("used", ["x2", "qkv"])
+def test_block_gradients_when_the_loss_uses_one_output(used: str) -> None:
+    """The unused output's gradient counts as zero (internal outputs get no materialized zeros,
+    the two public ones do when unused). sum(qkv^2) does not see coda's head-dimension order."""
+    w, attn, x0, pos = make(torch.float32, 20, 32, 4, 2, 8, 48)
+    ours, theirs = block_segment(attn, x0, pos, w), reference_block_segment(attn, x0, pos, w)
+    pick = 0 if used == "x2" else 1
+    params = (attn, x0) + w.tensors()
+    g_ours = torch.autograd.grad(ours[pick].square().sum(), params, allow_unused=True)
+    g_theirs = torch.autograd.grad(theirs[pick].square().sum(), params, allow_unused=True)
+    bound = 64 * math.sqrt(48) * EPS[torch.float32]
+    for a, b in zip(g_ours, g_theirs):
+        if b is None:  # a weight the used output does not depend on
+            assert not a.any()
+        else:
+            assert rel(a, b) < bound

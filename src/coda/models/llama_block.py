@@ -141,10 +141,13 @@ def _setup(ctx, inputs, output) -> None:
     x2, qkv, x1, rstd1, z1, rstd2 = output
     ctx.config = config
     ctx.save_for_backward(attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights)
+    ctx.set_materialize_grads(False)  # no zeros for the internal outputs (z1 is [M, 2F])
 
 
 def _backward(ctx, d_x2, d_qkv, *_unused):
     attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights = ctx.saved_tensors
+    d_x2 = torch.zeros_like(x2) if d_x2 is None else d_x2  # an output the loss did not use
+    d_qkv = torch.zeros_like(qkv) if d_qkv is None else d_qkv
     grads = _bwd(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, *ctx.config)
     return grads[0], grads[1], None, list(grads[2:]), None, None, None, None
 

@@ -57,6 +57,7 @@ def _(dloss, grad, x, weight):
 def _setup(ctx, inputs, output) -> None:
     x, weight = inputs[:2]
     ctx.save_for_backward(x, weight, output[1])
+    ctx.set_materialize_grads(False)  # no [tokens, V] zeros for the internal output's gradient
 
 
 def _backward(ctx, dloss, _dgrad):

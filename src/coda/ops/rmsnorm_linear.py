@@ -55,6 +55,7 @@ def _(dy, x, norm_weight, weight, rstd):
 def _setup(ctx, inputs, output) -> None:
     x, norm_weight, weight, _ = inputs
     ctx.save_for_backward(x, norm_weight, weight, output[1])
+    ctx.set_materialize_grads(False)  # the internal rstd output gets no zero gradient
 
 
 def _backward(ctx, dy, _drstd):

@@ -44,6 +44,7 @@ def _(dout, x, z, w_gate, w_up, w_down):
 def _setup(ctx, inputs, output) -> None:
     x, w_gate, w_up, w_down = inputs
     ctx.save_for_backward(x, output[1], w_gate, w_up, w_down)
+    ctx.set_materialize_grads(False)  # no [M, 2F] zeros for the internal z output's gradient
 
 
 def _backward(ctx, dout, _dz):

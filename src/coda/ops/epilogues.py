@@ -147,14 +147,18 @@ def rmsnorm_backward_residual(acc, grad: Tile, x: Tile, norm_weight: VecN, rstd:
     }
 
 
+def _swiglu_grads(acc, z):
+    """(gate, up, sigmoid(gate), dgate, dup) of section 6 from d = acc and the saved pre-activation z."""
+    gate, up = pairs(z)
+    s = sigmoid(gate)
+    return gate, up, s, acc * up * s * (1.0 + gate * (1.0 - s)), acc * gate * s
+
+
 @epilogue
 def swiglu_backward(acc, z: Tile(width=2)):
     """Section 6: acc = d = dY @ W_down. dz = interleave(dgate, dup) (width 2) and y recomputed
     for dW_down."""
-    gate, up = pairs(z)
-    s = sigmoid(gate)
-    dgate = acc * up * s * (1.0 + gate * (1.0 - s))
-    dup = acc * gate * s
+    gate, up, s, dgate, dup = _swiglu_grads(acc, z)
     return {"dz": interleave(dgate, dup), "y": gate * s * up}
 
 
@@ -162,8 +166,5 @@ def swiglu_backward(acc, z: Tile(width=2)):
 def swiglu_backward_zdz(acc, z: Tile(width=2)):
     """swiglu_backward when an RMSNorm feeds the MLP: also zdz = sum(gate*dgate + up*dup) per row,
     that norm's backward row term (section 5)."""
-    gate, up = pairs(z)
-    s = sigmoid(gate)
-    dgate = acc * up * s * (1.0 + gate * (1.0 - s))
-    dup = acc * gate * s
+    gate, up, s, dgate, dup = _swiglu_grads(acc, z)
     return {"dz": interleave(dgate, dup), "y": gate * s * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}

@@ -41,6 +41,12 @@ def _operand_layout(t: torch.Tensor, mode: str, block_rows: int, block_cols: int
     return None
 
 
+def _out_strides(call: Call, name: str, shape: tuple[int, ...]) -> list[int]:
+    """A 2-D output's strides: its out= tensor's, else those of the contiguous one gemm() allocates."""
+    given = call.out.get(name)
+    return [given.stride(0), given.stride(1)] if given is not None else [shape[1], 1]
+
+
 @dataclass
 class _Out:
     out: StoreOutput | ReduceOutput
@@ -85,8 +91,7 @@ class Plan:
             if s.kind == Kind.TILE:
                 static[names[1]], static[names[2]] = v.stride(0), v.stride(1)
                 if s.name in spec.tma_tiles:
-                    layout = _Layout([v.shape[0], v.shape[1]], [v.stride(0), 1],
-                                     [cfg.block_m, int(cfg.epi_n * s.frac_width)])
+                    layout = _operand_layout(v, "tma_row", cfg.block_m, int(cfg.epi_n * s.frac_width))
             elif s.kind != Kind.SCALAR:
                 static[names[1]] = v.stride(0)
             operands.append((s.name, names[0], forms[s.name].dtype is None and s.kind == Kind.SCALAR, layout))
@@ -95,16 +100,14 @@ class Plan:
             shape = call.output_shape(o)
             names = output_args(o)
             if isinstance(o, StoreOutput):
-                given = call.out.get(o.name)
-                strides = [given.stride(0), given.stride(1)] if given is not None else [shape[1], 1]
+                strides = _out_strides(call, o.name, shape)
                 static[names[1]], static[names[2]] = strides
                 width = graph.node(o.x).frac_width
                 layout = (_Layout(list(shape), strides, [cfg.block_m, int(cfg.epi_n * width)])
                           if o.name in spec.tma_stores else None)
                 outs.append(_Out(o, names, shape, call.out_dtype(o), layout=layout))
             elif o.group is not None:
-                given = call.out.get(o.name)
-                static[names[1]], static[names[2]] = [given.stride(0), given.stride(1)] if given is not None else [shape[1], 1]
+                static[names[1]], static[names[2]] = _out_strides(call, o.name, shape)
                 outs.append(_Out(o, names, shape, torch.float32))
             else:
                 part = (m, tiles_n * cfg.subtile) if o.axis == "n" else (tiles_m, shape[0])

@@ -3,7 +3,9 @@
 For each op (forward + backward, the bench/ops_block.py shapes at D=2048, FFN=8192,
 M=8192) and, beside it, its eager PyTorch version: one warm-up (coda tunes there), then
 torch.profiler over a few iterations; per kernel name: launches and device microseconds per
-iteration. coda's GEMM kernels are named `coda_<epilogue>`.
+iteration. coda's GEMM kernels are named `coda_<epilogue>`. Then, per op, the host time to
+enqueue a step beside its wall time (does the GPU wait for Python?), and the LM-head GEMM at
+each row-group size (GROUP_M) beside cuBLAS.
 
     python bench/profile_ops.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
     python bench/profile_ops.py --merge DIR/profile_ops.json --out bench/results   # markdown
@@ -12,6 +14,7 @@ iteration. coda's GEMM kernels are named `coda_<epilogue>`.
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,29 +98,45 @@ def kernel_table(step) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def in_place_vs_fresh(m: int = 8192, d: int = 2048, k: int = 16384) -> dict[str, float]:
-    """The RMSNorm-backward GEMM with the residual gradient (the block's largest), timed writing
-    dx over its `grad` operand (out=grad) and into a fresh tensor: the block profile showed this
-    kernel far slower in the block (in place) than when tuned (fresh scratch outputs)."""
+def host_and_wall(step, iters: int = 5) -> dict[str, float]:
+    """Host ms to enqueue one forward+backward (until step() returns) and wall ms until the GPU
+    is done. Host close to wall means the GPU waited for Python: a kernel sum below wall is then
+    launch overhead, not device work."""
+    step()
+    torch.cuda.synchronize()
+    host = wall = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host += t1 - t0
+        wall += time.perf_counter() - t0
+    return {"host": host / iters * 1e3, "wall": wall / iters * 1e3}
+
+
+def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float]:
+    """The LM-head GEMM (plain and with the LM-head epilogue, weight [V, D]) at its tuned tile with
+    each GROUP_M, beside cuBLAS: with the tile order grouping GROUP_M row tiles, the 0.5 GB weight
+    is read from memory m / (BLOCK_M * GROUP_M) times."""
     import triton
 
     from coda.ops import epilogues as E
+    from coda.runtime import run
+    from coda.runtime.launch import chosen_config, graph_of
 
-    dz, w = rand(m, k), rand(k, d, scale=k**-0.5)
-    x, grad = rand(m, d), rand(m, d)
-    ops = dict(x=x, norm_weight=(1 + 0.1 * rand(d)), rstd=torch.rand(m, device="cuda") + 0.5,
-               zdz_over_d=torch.randn(m, device="cuda"))
-    ep = E.rmsnorm_backward_residual
-    fresh = torch.empty_like(grad)
-    times = {
-        "fresh": triton.testing.do_bench(lambda: coda.gemm(dz, w, ep, out={"dx": fresh}, grad=grad, **ops),
-                                         return_mode="median"),
-        "in_place": triton.testing.do_bench(lambda: coda.gemm(dz, w, ep, out={"dx": grad}, grad=grad, **ops),
-                                            return_mode="median"),
-        "plain_gemm": triton.testing.do_bench(lambda: coda.gemm(dz, w), return_mode="median"),
-        "cublas": triton.testing.do_bench(lambda: dz @ w, return_mode="median"),
-    }
-    log("== rmsnorm_backward_residual M=%d N=%d K=%d: " % (m, d, k) + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
+    x, w = rand(m, d), rand(v, d, scale=d**-0.5)
+    t = torch.randint(0, v, (m,), device="cuda")
+    times = {"cublas": triton.testing.do_bench(lambda: x @ w.T, return_mode="median")}
+    for label, ep, ops in (("plain", None, {}), ("lm_head_logits", E.lm_head(torch.bfloat16, True), {"target": t})):
+        graph = graph_of(ep)
+        coda.gemm(x, w.T, ep, **ops)  # tunes
+        base = chosen_config(graph, x, w.T, ops)
+        for g in (4, 8, 16, 32, 64):
+            cfg = base.model_copy(update={"group_m": g})
+            times[f"{label} group{g}{' (tuned)' if g == base.group_m else ''}"] = triton.testing.do_bench(
+                lambda: run(graph, x, w.T, ops, config=cfg), return_mode="median")
+    log("== LM-head GEMM M=%d V=%d D=%d by GROUP_M: " % (m, v, d) + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
     return times
 
 
@@ -129,7 +148,12 @@ def markdown(result: dict, note: str | None) -> str:
     if note:
         lines += [note, ""]
     for key, rows in result.items():
-        if not isinstance(rows, list):
+        if isinstance(rows, dict) and all(isinstance(t, dict) for t in rows.values()):
+            lines += [f"## {key}", "", "| op | kernels ms | host ms | wall ms |", "|---|---|---|---|"]
+            lines += [f"| {op} | {t['kernels']:.3f} | {t['host']:.3f} | {t['wall']:.3f} |" for op, t in rows.items()]
+            lines.append("")
+            continue
+        if isinstance(rows, dict):
             lines += [f"## {key}", "", ", ".join(f"{n}: {t:.3f} ms" for n, t in rows.items()), ""]
             continue
         total = sum(r["us"] for r in rows)
@@ -157,14 +181,19 @@ def main() -> None:
     torch.manual_seed(0)
     work = workloads(8192, 2048, 8192, 128256)
     result = {}
+    timing = {}
     for op in args.ops.split(","):
         for variant, step in work[op].items():
             rows = kernel_table(step)
             result[f"{op}/{variant}"] = rows
-            log(f"== {op} {variant}: {sum(r['us'] for r in rows) / 1e3:.3f} ms of kernels per fwd+bwd")
+            kernels = sum(r["us"] for r in rows) / 1e3
+            timing[f"{op}/{variant}"] = {"kernels": kernels, **host_and_wall(step)}
+            log(f"== {op} {variant}: {kernels:.3f} ms of kernels per fwd+bwd; host {timing[f'{op}/{variant}']['host']:.3f} ms, "
+                f"wall {timing[f'{op}/{variant}']['wall']:.3f} ms")
             for r in rows[:14]:
                 log(f"   {r['us'] / 1e3:8.3f} ms  x{r['calls']:<4g} {r['kernel'][:90]}")
-    result["rmsnorm_backward_residual_in_place_vs_fresh_ms"] = in_place_vs_fresh()
+    result["host_and_wall_ms"] = timing
+    result["lm_head_gemm_by_group_m_ms"] = row_groups()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_ops.json").write_text(json.dumps(result, indent=1))
 

@@ -149,6 +149,27 @@ def test_tune_picks_fastest_and_stores_it(fake_measure: list[Config]) -> None:
     assert entry is not None and entry.config == cfg and entry.ms == pytest.approx(fake_time(cfg))
 
 
+def test_row_group_round_times_distinct_orders_of_the_winner(fake_measure: list[Config],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autotune, "measure", lambda fn: (fn(), fake_time(fake_measure[-1]) - 0.001 * (fake_measure[-1].group_m == 16))[1])
+    cfg = choose(fake_measure)
+    assert cfg.group_m == 16 and (cfg.block_m, cfg.block_n, cfg.flatten, cfg.tma_store) == (128, 256, True, True)
+    groups = [c.group_m for c in fake_measure if c.model_copy(update={"group_m": 8}) == cfg.model_copy(update={"group_m": 8})]
+    assert sorted(groups) == [4, 4, 8, 8, 16, 16, 64, 64]  # each group size once (a build, then its timing)
+
+
+@pytest.mark.parametrize("m, expected", [(128, []), (512, [])])
+def test_row_groups_equal_to_all_row_tiles_are_not_retimed(m: int, expected: list[int]) -> None:
+    cfg = Config(block_m=128, block_n=256, block_k=64)
+    assert [c.group_m for c in autotune.group_variants(cfg, m)] == expected
+
+
+def test_row_group_variants_for_many_row_tiles() -> None:
+    cfg = Config(block_m=128, block_n=256, block_k=64)
+    assert [c.group_m for c in autotune.group_variants(cfg, 8192)] == [4, 16, 64]  # 64 row tiles
+    assert [c.group_m for c in autotune.group_variants(cfg, 1024)] == [4]  # 8 row tiles: 16, 64 = 8
+
+
 def test_cached_winner_is_reused_without_benchmarks(fake_measure: list[Config]) -> None:
     first = choose(fake_measure)
     fake_measure.clear()

@@ -68,12 +68,15 @@ def test_rope_permutation_is_a_pair_adjacent_inverse() -> None:
     assert torch.equal(coda.ops.unpermute_rope_rows(p, 3, 8), w)
     perm = coda.ops.rope_pair_permutation(3, 8)
     assert sorted(perm.tolist()) == list(range(24))
+    assert torch.equal(p, w[perm])  # the transposing copy is the documented permutation
 
 
 @pytest.mark.parametrize("call,match", [
     (lambda: coda.ops.interleave_gate_up(torch.zeros(2, 3), torch.zeros(3, 3)), "must be equal 2-D shapes"),
     (lambda: coda.ops.split_gate_up(torch.zeros(3, 3)), r"expected \[2F, D\]"),
     (lambda: coda.ops.rope_pair_permutation(2, 7), "head_dim must be even"),
+    (lambda: coda.ops.permute_rope_rows(torch.zeros(14, 3), 2, 7), r"even head_dim, got \[14, 3\]"),
+    (lambda: coda.ops.unpermute_rope_rows(torch.zeros(12, 3), 2, 8), r"\[2\*8, D\] with an even head_dim"),
 ])
 def test_layout_errors(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):

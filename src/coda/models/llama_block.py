@@ -15,6 +15,7 @@ permutation of head dimensions applied to both q and k, and v is unpermuted.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +53,24 @@ class BlockWeights:
         return (self.wo, self.g_ffn, self.w_gate, self.w_up, self.w_down, self.g_attn, self.wq, self.wk, self.wv)
 
     def inv_freq(self) -> torch.Tensor:
-        hd = self.head_dim
-        return self.rope_base ** (-torch.arange(0, hd, 2, device=self.wq.device, dtype=torch.float32) / hd)
+        return _inv_freq(self.head_dim, self.rope_base, self.wq.device)
+
+
+def _inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    return base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
 def _rope_freq(w: BlockWeights) -> torch.Tensor:
     """Per column pair of the fused qkv output: the pair's frequency, 0 for v."""
-    inv = w.inv_freq()
-    nv = w.wv.shape[0] // 2
-    return torch.cat([inv.repeat(w.n_heads + w.n_kv_heads), inv.new_zeros(nv)])
+    return _freq_table(w.head_dim, w.n_heads + w.n_kv_heads, w.wv.shape[0] // 2, w.rope_base, w.wq.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, device: torch.device) -> torch.Tensor:
+    # Built once per configuration: the table is a constant, and building it is a handful of
+    # small launches per forward and backward (the block's host time bounds it at D=2048).
+    inv = _inv_freq(head_dim, base, device)
+    return torch.cat([inv.repeat(rotated_heads), inv.new_zeros(v_pairs)])
 
 
 def _qkv_weight(w: BlockWeights) -> torch.Tensor:

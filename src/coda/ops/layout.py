@@ -32,10 +32,19 @@ def rope_pair_permutation(n_heads: int, head_dim: int, device: torch.device | st
 
 
 def permute_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """q or k projection weight [n_heads*head_dim, D] in the pair-adjacent row order."""
-    return w[rope_pair_permutation(n_heads, head_dim, w.device)]
+    """q or k projection weight [n_heads*head_dim, D] in the pair-adjacent row order
+    (rope_pair_permutation, as one transposing copy: no index tensors to build per call)."""
+    _check_rows(w, n_heads, head_dim)
+    return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """Inverse of permute_rope_rows (rows, or the columns of a [.., n_heads*head_dim] output via .T)."""
-    return w[torch.argsort(rope_pair_permutation(n_heads, head_dim, w.device))]
+    _check_rows(w, n_heads, head_dim)
+    return w.reshape(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _check_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> None:
+    if head_dim % 2 or w.dim() != 2 or w.shape[0] != n_heads * head_dim:
+        raise ValueError(f"RoPE row permutation: expected [n_heads*head_dim, D] = [{n_heads}*{head_dim}, D] "
+                         f"with an even head_dim, got {list(w.shape)}")

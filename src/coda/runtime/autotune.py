@@ -104,6 +104,24 @@ def option_variants(cfg: Config) -> list[Config]:
     ]
 
 
+GROUPS = (4, 8, 16, 64)
+
+
+def group_variants(cfg: Config, m: int) -> list[Config]:
+    """Round three: the winner with other row-group sizes. GROUP_M row tiles share each column
+    tile of B while it is in L2; a wide B (an LM head's [V, D] weight) is read from memory once
+    per group, so a larger group reads it fewer times, at the price of more of A live in L2.
+    Groups of at least all row tiles are one order: only distinct orders are timed."""
+    tiles_m = -(-m // cfg.block_m)
+    seen = {min(cfg.group_m, tiles_m)}
+    out = []
+    for g in GROUPS:
+        if min(g, tiles_m) not in seen:
+            seen.add(min(g, tiles_m))
+            out.append(cfg.model_copy(update={"group_m": g}))
+    return out
+
+
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
     """Shared memory the kernel needs with every Tile operand loaded and (with tma_store) every
     tile output stored through TMA: the operand ring plus each one's staging tile."""
@@ -171,7 +189,7 @@ def measure(fn: Callable[[], object]) -> float:
 def _label(cfg: Config) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}"
-            f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}")
+            f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}{f' group{cfg.group_m}' if cfg.group_m != 8 else ''}")
 
 
 def tune(
@@ -180,7 +198,8 @@ def tune(
     keep: Callable[[Config], bool] = lambda cfg: True, top: int = 2,
 ) -> TuneEntry:
     """Benchmark configs with `launch(cfg)` (the fused kernel on the caller's inputs), then the
-    option variants of the `top` best that `keep` admits; store and return the winner."""
+    option variants of the `top` best that `keep` admits, then the best one's row-group sizes;
+    store and return the winner."""
     _say(f"tuning {graph.name} M<={key.m_bucket} N={key.n} K={key.k} on {key.gpu}: {len(configs)} configs + variants")
     timings: dict[Config, float] = {}
     spilling: list[Config] = []  # compiled, but with local memory: benchmarked only if nothing else runs
@@ -212,6 +231,8 @@ def tune(
     bench([v for v in variants if v not in timings and v not in spilling])
     if not timings:
         raise RuntimeError(f"coda: no config could run {graph.name} for M<={key.m_bucket} N={key.n} K={key.k}")
+    best = min(timings, key=timings.get)
+    bench([v for v in group_variants(best, key.m_bucket) if v not in timings and v not in spilling])
     best = min(timings, key=timings.get)
     entry = TuneEntry(key=key, config=best, ms=timings[best], candidates=len(timings))
     store_entry(entry)
@@ -246,5 +267,5 @@ def choose(
     return tune(graph, key, configs, launch, spills, keep).config
 
 
-__all__ = ["TuneKey", "TuneEntry", "m_bucket", "mode", "config_space", "option_variants", "prune_reason",
+__all__ = ["TuneKey", "TuneEntry", "m_bucket", "mode", "config_space", "option_variants", "group_variants", "prune_reason",
            "smem_bytes", "load_entry", "store_entry", "measure", "tune", "choose"]

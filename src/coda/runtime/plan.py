@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from triton import knobs
+from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..codegen import Specialization, operand_args, output_args
@@ -57,6 +59,39 @@ class _Out:
     partial: tuple[int, int] | None = None  # reductions finalized from per-tile partials
 
 
+@dataclass(frozen=True)
+class _Direct:
+    """A compiled kernel to call without `JITFunction.run`, which re-derives per call, from every
+    argument, the specialization (integer divisibility, pointer alignment) that selects the
+    compiled binary. The plan key fixes all of it, so the binary of the plan's first launch
+    serves every later call on that device."""
+
+    device: int
+    run: object  # Triton's launcher for the binary
+    function: object
+    packed_metadata: object
+    compiled: object
+    order: tuple[str, ...]  # the kernel's parameters, as the launcher takes them
+
+    def launch(self, grid: tuple[int], args: dict) -> object:
+        stream = driver.active.get_current_stream(self.device)
+        positional = [args[name] for name in self.order]
+        meta = self.compiled.launch_metadata(grid, stream, *positional)  # for launch hooks, as Triton does
+        self.run(grid[0], 1, 1, stream, self.function, self.packed_metadata, meta, knobs.runtime.launch_enter_hook,
+                 knobs.runtime.launch_exit_hook, *positional)
+        return self.compiled
+
+
+def _direct(kernel: object, compiled: object) -> _Direct | None:
+    """The direct call for a JIT kernel's compiled binary, or None (the interpreter, stubs)."""
+    names = getattr(kernel, "arg_names", None)
+    if names is None or getattr(compiled, "packed_metadata", None) is None:
+        return None
+    run = compiled.run  # loads the binary onto the current device
+    return _Direct(device=driver.active.get_current_device(), run=run, function=compiled.function,
+                   packed_metadata=compiled.packed_metadata, compiled=compiled, order=tuple(names))
+
+
 @dataclass
 class Plan:
     kernel: object
@@ -68,6 +103,7 @@ class Plan:
     operands: list[tuple[str, str, bool, _Layout | None]]  # name, pointer argument, number?, TMA layout
     outs: list[_Out]
     grid: tuple[int]
+    direct: _Direct | None = None
 
     @classmethod
     def build(cls, call: Call, spec: Specialization, kernel: object, cfg: Config, programs: int) -> "Plan":
@@ -138,7 +174,7 @@ class Plan:
                 finalize.append((o.out, partial))
             else:
                 args[o.names[0]] = o.layout.bind(t) if o.layout else t
-        compiled = self.kernel[self.grid](**args)
+        compiled = self._launch(args)
         for r, partial in finalize:
             dst = results[r.name]
             if r.axis == "m":
@@ -152,6 +188,16 @@ class Plan:
         if self.single is not None:
             return results[self.single], compiled
         return results, compiled
+
+    def _launch(self, args: dict) -> object:
+        """Launch through the first launch's binary when on its device, else through Triton."""
+        direct = self.direct
+        if direct is not None and driver.active.get_current_device() == direct.device:
+            return direct.launch(self.grid, args)
+        compiled = self.kernel[self.grid](**args)
+        if direct is None:
+            self.direct = _direct(self.kernel, compiled)
+        return compiled
 
 
 __all__ = ["Plan"]

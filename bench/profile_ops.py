@@ -116,7 +116,7 @@ def host_and_wall(step, iters: int = 5) -> dict[str, float]:
 
 
 def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float]:
-    """The LM-head GEMM (plain and with the LM-head epilogue, weight [V, D]) at its tuned tile with
+    """The LM-head GEMM (plain, and with the statistics epilogue, weight [V, D]) at its tuned tile with
     each GROUP_M, beside cuBLAS: with the tile order grouping GROUP_M row tiles, the 0.5 GB weight
     is read from memory m / (BLOCK_M * GROUP_M) times."""
     import triton
@@ -128,7 +128,7 @@ def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float
     x, w = rand(m, d), rand(v, d, scale=d**-0.5)
     t = torch.randint(0, v, (m,), device="cuda")
     times = {"cublas": triton.testing.do_bench(lambda: x @ w.T, return_mode="median")}
-    for label, ep, ops in (("plain", None, {}), ("lm_head_logits", E.lm_head(torch.bfloat16, True), {"target": t})):
+    for label, ep, ops in (("plain", None, {}), ("lm_head_stats", E.lm_head(torch.bfloat16), {"target": t})):
         graph = graph_of(ep)
         coda.gemm(x, w.T, ep, **ops)  # tunes
         base = chosen_config(graph, x, w.T, ops)

@@ -1,13 +1,17 @@
 """linear_cross_entropy(x, W, target) = F.cross_entropy(F.linear(x, W).float(), target).
 
-Forward: the LM-head GEMM's epilogue writes per-tile logsumexp and the target logit
-(TRANSFORMER.md 4) of the logits rounded to x.dtype, as F.linear would store them. When
-gradients will be needed it also stores those logits, and a row pass turns them in place
-into their gradient
-G = (softmax - onehot) * w (w = 1/valid rows for "mean", 1 for "sum", 0 for ignored rows)
-right after the forward, so backward is the two GEMMs dx = dloss * G @ W and
-dW = dloss * G.T @ x (dloss as a Scalar epilogue): three GEMMs in all, as unfused, and no
-second read of the logits. Without gradients nothing of [tokens, vocab] size is stored.
+Without gradients: the LM-head GEMM's epilogue writes per-tile logsumexp and the target
+logit (TRANSFORMER.md 4) of the logits rounded to x.dtype, as F.linear would store them, and
+nothing of [tokens, vocab] size is stored.
+
+With gradients the logits must be stored for backward anyway, and then a plain GEMM storing
+them, followed by one row pass that takes the statistics and turns the logits in place into
+their gradient G = (softmax - onehot) * w (w = 1/valid rows for "mean", 1 for "sum", 0 for
+ignored rows), is faster on the H200 than the statistics epilogue storing logits followed by
+the gradient pass (bench/results/profile_ops.md: the epilogue with the store costs the GEMM
+about 2 ms at 8192 x 128256 x 2048, a second read of the logits about 0.5 ms). Backward is
+the two GEMMs dx = dloss * G @ W and dW = dloss * G.T @ x (dloss as a Scalar epilogue):
+three GEMMs in all, as unfused.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from ..runtime import gemm
 from .epilogues import lm_head, scaled
-from .rowwise import cross_entropy_grad_
+from .rowwise import cross_entropy_
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -25,16 +29,19 @@ _REDUCTIONS = ("mean", "sum")
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
          with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, G) where G is the logits' gradient per unit dloss (empty without with_grad)."""
-    stats = gemm(x, weight.T, lm_head(x.dtype, keep_logits=with_grad), target=target)
     valid = target != ignore_index
     count = valid.sum()
-    per_row = torch.where(valid, stats["lse"] - stats["target_logit"], 0.0)
+    if with_grad:
+        weight_row = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
+        w = torch.where(valid, weight_row, 0.0).float()  # 0 for ignored rows (also when every row is)
+        grad = gemm(x, weight.T)  # the logits, until cross_entropy_ overwrites them with G
+        lse, target_logit = cross_entropy_(grad, target, w)
+    else:
+        stats = gemm(x, weight.T, lm_head(x.dtype), target=target)
+        grad, lse, target_logit = x.new_empty(0), stats["lse"], stats["target_logit"]
+    per_row = torch.where(valid, lse - target_logit, 0.0)
     loss = per_row.sum() / count if reduction == "mean" else per_row.sum()
-    if not with_grad:
-        return loss, x.new_empty(0)
-    weight_row = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
-    w = torch.where(valid, weight_row, 0.0).float()  # 0 for ignored rows (also when every row is)
-    return loss, cross_entropy_grad_(stats["logits"], stats["lse"], target, w)
+    return loss, grad
 
 
 @_fwd.register_fake

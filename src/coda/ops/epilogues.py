@@ -70,30 +70,27 @@ def lm_head_stats(acc, target: VecM):
     }
 
 
-def lm_head(dtype: torch.dtype, keep_logits: bool) -> Epilogue:
-    """Section 4 forward as linear_cross_entropy runs it: lm_head_stats over the logits rounded
-    to `dtype` (as F.linear would store them, so that the statistics, and the softmax that a row
-    pass later takes of stored logits, match the unfused op's), plus the logits themselves when
-    `keep_logits` (for the gradient, coda.ops.rowwise)."""
-    return _LM_HEAD[(dtype, keep_logits)]
+def lm_head(dtype: torch.dtype) -> Epilogue:
+    """Section 4 forward as linear_cross_entropy runs it without gradients: lm_head_stats over
+    the logits rounded to `dtype`, as F.linear would store them, so that the statistics match
+    the unfused op's."""
+    return _LM_HEAD[dtype]
 
 
-def _lm_head_epilogue(rounding: Callable | None, keep_logits: bool, name: str) -> Epilogue:
+def _lm_head_epilogue(rounding: Callable | None, name: str) -> Epilogue:
     def fn(acc, target: VecM):
         logits = acc if rounding is None else rounding(acc)
-        out = {
+        return {
             "lse": reduce_n(logits, "logsumexp"),
             "target_logit": reduce_n(where(col_index() == target, logits, 0.0), "sum"),
         }
-        return {"logits": logits, **out} if keep_logits else out
 
     fn.__name__ = name
     return epilogue(fn)
 
 
 _ROUNDING = {torch.bfloat16: ("bf16", round_bf16), torch.float16: ("fp16", round_fp16), torch.float32: ("fp32", None)}
-_LM_HEAD = {(dtype, keep): _lm_head_epilogue(rounding, keep, f"lm_head_{'logits' if keep else 'stats'}_{tag}")
-            for dtype, (tag, rounding) in _ROUNDING.items() for keep in (False, True)}
+_LM_HEAD = {dtype: _lm_head_epilogue(rounding, f"lm_head_stats_{tag}") for dtype, (tag, rounding) in _ROUNDING.items()}
 
 
 @epilogue

@@ -4,7 +4,8 @@ need a statistic of a whole row first). One program per row; the row lies in one
 
 * `rms_prep`: rstd and h = x * g for a standalone RMSNorm in front of a GEMM;
 * `rms_input_grad`: dx = u - rstd^2 * zdz / D * x, the RMSNorm backward's row correction;
-* `cross_entropy_grad_`: logits -> (softmax - onehot) * scale, in place;
+* `cross_entropy_`: per-row logsumexp and target logit of stored logits, which it turns into
+  (softmax - onehot) * scale in place;
 * `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row.
 """
 
@@ -52,17 +53,33 @@ def _rms_input_grad_kernel(u_ptr, x_ptr, c_ptr, dx_ptr, D, stride_u, stride_x, s
 
 
 @triton.jit
-def _ce_grad_kernel(l_ptr, lse_ptr, target_ptr, scale_ptr, V, stride_l,
-                    BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, stride_l,
+                          BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    # Pass 1: logsumexp by the online rule (running max m, sum s of exp(x - m)); pass 2 reads
+    # the row again (from L2 when it is still there) and writes the gradient over it.
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < V
-    lse = tl.load(lse_ptr + row)
+    base = l_ptr + row * stride_l
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
     target = tl.load(target_ptr + row)
+    hit = (target >= 0) & (target < V)
+    tlogit = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0).to(tl.float32)
+    tl.store(lse_ptr + row, lse)
+    tl.store(tlogit_ptr + row, tlogit)
     scale = tl.load(scale_ptr + row)
-    logits = tl.load(l_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-    grad = (tl.exp(logits - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-    tl.store(l_ptr + row * stride_l + cols, _cast(grad, OUT, RNE), mask=mask)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+        tl.store(base + cols, _cast(grad, OUT, RNE), mask=mask)
 
 
 @triton.jit
@@ -119,17 +136,20 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
     return dx
 
 
-def cross_entropy_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
-                        scale: torch.Tensor) -> torch.Tensor:
-    """logits <- (softmax(logits) - onehot(target)) * scale per row, in place; returns logits."""
-    if logits.stride(1) != 1:
-        raise ValueError("cross_entropy_grad_: logits rows must be contiguous")
+def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of stored logits: (lse, target logit) in fp32 (target logit 0 where the target
+    is out of range, e.g. ignore_index), and logits <- (softmax(logits) - onehot(target)) * scale
+    in place, the cross-entropy gradient per unit loss. Two reads and one write of the logits."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("cross_entropy_: logits must be 2-D with contiguous rows")
     m, v = logits.shape
-    block = min(4096, triton.next_power_of_2(v))
+    lse = torch.empty(m, device=logits.device, dtype=torch.float32)
+    tlogit = torch.empty_like(lse)
     if m:
-        _ce_grad_kernel[(m, triton.cdiv(v, block))](logits, lse.contiguous(), target.contiguous(), scale.contiguous(),
-                                                    v, logits.stride(0), BLOCK=block, **_out_args(logits.dtype))
-    return logits
+        _cross_entropy_kernel[(m,)](logits, target.contiguous(), scale.contiguous(), lse, tlogit, v, logits.stride(0),
+                                    BLOCK=min(4096, triton.next_power_of_2(v)), num_warps=8,
+                                    **_out_args(logits.dtype))
+    return lse, tlogit
 
 
 def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
@@ -149,4 +169,4 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     return out, zdz
 
 
-__all__ = ["rms_prep", "rms_input_grad", "cross_entropy_grad_", "rope_backward"]
+__all__ = ["rms_prep", "rms_input_grad", "cross_entropy_", "rope_backward"]

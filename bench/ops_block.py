@@ -173,9 +173,36 @@ def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
            (d, heads * hd, m)]
     gemms_sum("block_fwd", shape, fwd)
     gemms_sum("block_fwdbwd", shape, fwd + bwd)
-    variants("block", shape, {"eager": eager, "coda": ours}, lambda _: params, ref, refg, go)
+    impls = {"eager": eager, "coda": ours}
+    lg = _liger()
+    seq = min(m, 4096)  # pos restarts every 4096 rows: rows are (batch, seq) for Liger's RoPE
+    if lg is not None and m % seq == 0:
+        impls["liger"] = lambda: torch.cat(liger_block_segment(lg, attn, x0, w, seq), -1)
+    variants("block", shape, impls, lambda _: params, ref, refg, go)
     # the layout the block hands to attention (no un-permute), timed unchecked beside it
     record("block_fwdbwd", shape, "coda_native_layout", fwd_bwd(ours_native, params, go))
+
+
+def liger_block_segment(lg, attn_out: torch.Tensor, x0: torch.Tensor, w: BlockWeights, seq: int):
+    """reference_block_segment with Liger-Kernel's RMSNorm, SiLU-mul and RoPE kernels around cuBLAS
+    GEMMs (how Liger patches a Hugging Face Llama). Rows are (batch, position < seq); Liger's RMSNorm
+    runs with in_place=False (its in_place=True reuses the incoming gradient's storage)."""
+    m, hd = x0.shape[0], w.head_dim
+    theta = torch.arange(seq, device=x0.device, dtype=torch.float32)[:, None] * w.inv_freq()[None, :]
+    cos, sin = torch.cat([theta.cos()] * 2, -1)[None], torch.cat([theta.sin()] * 2, -1)[None]
+    norm = lg.rms_norm.LigerRMSNormFunction.apply
+    x1 = x0 + F.linear(attn_out, w.wo)
+    h = norm(x1, w.g_ffn, w.eps, 0.0, "llama", False)
+    x2 = x1 + F.linear(lg.swiglu.LigerSiLUMulFunction.apply(F.linear(h, w.w_gate), F.linear(h, w.w_up)), w.w_down)
+    n = norm(x2, w.g_attn, w.eps, 0.0, "llama", False)
+
+    def heads(t: torch.Tensor, count: int) -> torch.Tensor:  # [M, count*hd] -> [batch, count, seq, hd]
+        return t.view(m // seq, seq, count, hd).transpose(1, 2)
+
+    q, k = lg.rope.LigerRopeFunction.apply(heads(F.linear(n, w.wq), w.n_heads), heads(F.linear(n, w.wk), w.n_kv_heads),
+                                           cos, sin)
+    rows = lambda t: t.transpose(1, 2).reshape(m, -1)  # noqa: E731
+    return x2, torch.cat([rows(q), rows(k), F.linear(n, w.wv)], -1)
 
 
 _LIGER: list = []
@@ -185,6 +212,8 @@ def _liger():
     if not _LIGER:
         try:
             import liger_kernel.ops.fused_linear_cross_entropy
+            import liger_kernel.ops.rms_norm
+            import liger_kernel.ops.rope
             import liger_kernel.ops.swiglu  # noqa: F401
 
             _LIGER.append(sys.modules["liger_kernel"].ops)

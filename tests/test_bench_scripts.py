@@ -3,6 +3,7 @@ pass its fp32 correctness check, so the scripts do not rot between GPU sessions.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -53,6 +54,18 @@ def test_ops_block_script(cpu_harness) -> None:
     coda_rows = [r for r in cpu_harness.ROWS if r["variant"] == "coda"]
     assert {r["op"] for r in coda_rows} == {f"{op}_{p}" for op in ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
                                            for p in ("fwd", "fwdbwd")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+                    reason="Liger-Kernel's kernels need a CUDA GPU (its RMSNorm and SiLU-mul fail under the interpreter)")
+def test_ops_block_liger_block(cpu_harness) -> None:
+    """The Liger peer of the block (its RMSNorm, SiLU-mul and RoPE around cuBLAS) passes the fp32 check."""
+    import ops_block as ob
+
+    ob._LIGER.clear()
+    ob.bench_block(256, 256, 512, heads=4, kv=2)
+    assert cpu_harness.NOTES == []
+    assert {r["op"] for r in cpu_harness.ROWS if r["variant"] == "liger"} == {"block_fwd", "block_fwdbwd"}
 
 
 def test_host_overhead_script() -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import coda
-from coda.models import BlockWeights, block_segment, reference_block_segment
+from coda.models import BlockWeights, NativeBlockWeights, block_segment, reference_block_segment
 from harness import log, rand
 
 ITERS = 3
@@ -56,9 +56,12 @@ def workloads(m: int, d: int, f: int, v: int) -> dict[str, dict[str, object]]:
     n_qkv = (heads + 2 * kv) * hd
     go_block = rand(m, d + n_qkv)
 
-    def block(impl):
+    nbw = NativeBlockWeights(*(t.detach().requires_grad_() for t in NativeBlockWeights.from_standard(bw).tensors()),
+                             n_heads=heads, n_kv_heads=kv)  # coda's layouts, stored: no per-call copies
+
+    def block(impl, weights=bw):
         def run():
-            x2, qkv = impl(attn, x, pos, bw)
+            x2, qkv = impl(attn, x, pos, weights)
             return torch.cat([x2, qkv], -1)
         return run
 
@@ -77,6 +80,7 @@ def workloads(m: int, d: int, f: int, v: int) -> dict[str, dict[str, object]]:
         },
         "block": {
             "coda": _grad_step(block(block_segment), block_params, go_block),
+            "coda_native": _grad_step(block(block_segment, nbw), (attn, x) + nbw.tensors(), go_block),
             "eager": _grad_step(block(reference_block_segment), block_params, go_block),
         },
     }

@@ -54,6 +54,7 @@ def test_ops_block_script(cpu_harness) -> None:
     coda_rows = [r for r in cpu_harness.ROWS if r["variant"] == "coda"]
     assert {r["op"] for r in coda_rows} == {f"{op}_{p}" for op in ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
                                            for p in ("fwd", "fwdbwd")}
+    assert {r["op"] for r in cpu_harness.ROWS if r["variant"] == "coda_native_layout"} == {"block_fwd", "block_fwdbwd"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,

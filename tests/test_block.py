@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from coda.models import BlockWeights, block_segment, qkv_to_standard, reference_block_segment
+from coda.models import BlockWeights, NativeBlockWeights, block_segment, qkv_to_standard, reference_block_segment
 from coda.ops.layout import permute_rope_rows
 from conftest import DEVICE, EPS, scale
 
@@ -56,10 +56,47 @@ def test_block_matches_pytorch_in_fp32(m: int, d: int, heads: int, kv: int, hd: 
         assert rel(a, b) < bound, f"d{name}: relative error {rel(a, b):.3g} >= {bound:.3g}"
 
 
-def test_block_traces_into_one_graph() -> None:
+def native(w: BlockWeights) -> NativeBlockWeights:
+    """w in coda's layouts, as leaves of their own (what a model storing them holds)."""
+    return NativeBlockWeights(*(t.detach().requires_grad_() for t in NativeBlockWeights.from_standard(w).tensors()),
+                              n_heads=w.n_heads, n_kv_heads=w.n_kv_heads)
+
+
+def test_native_weights_give_the_standard_results_bit_for_bit() -> None:
+    """The same kernels without the per-call layout copies: outputs equal, and the native
+    gradients turned standard by to_standard equal the standard-weight path's exactly."""
+    w, attn, x0, pos = make(torch.float32, 20, 32, 4, 2, 8, 48)
+    nw = native(w)
+    (x2, qkv), (nx2, nqkv) = block_segment(attn, x0, pos, w), block_segment(attn, x0, pos, nw)
+    assert torch.equal(x2, nx2) and torch.equal(qkv, nqkv)
+    dx2, dqkv = torch.randn_like(x2), torch.randn_like(qkv)
+    std = torch.autograd.grad((x2 * dx2).sum() + (qkv * dqkv).sum(), (attn, x0) + w.tensors())
+    nat = torch.autograd.grad((nx2 * dx2).sum() + (nqkv * dqkv).sum(), (attn, x0) + nw.tensors())
+    converted = NativeBlockWeights(*nat[2:], n_heads=w.n_heads, n_kv_heads=w.n_kv_heads).to_standard().tensors()
+    for a, b in zip(std, nat[:2] + converted):
+        assert a.shape == b.shape and a.is_contiguous() and torch.equal(a, b)
+
+
+def test_native_weights_round_trip_and_reject_bad_shapes() -> None:
+    w, *_ = make(torch.float32, 4, 32, 4, 2, 8, 48)
+    back = NativeBlockWeights.from_standard(w).to_standard()
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors(), w.tensors()))
+    nw = native(w)
+    args = dict(n_heads=4, n_kv_heads=2)
+    with pytest.raises(ValueError, match=r"w_qkv \[60, 32\] is not \[\(n_heads \+ 2 n_kv_heads\) \* head_dim, D\]"):
+        NativeBlockWeights(nw.wo, nw.g_ffn, nw.w_gate_up, nw.w_down, nw.g_attn, nw.w_qkv[:60], **args)
+    with pytest.raises(ValueError, match=r"w_gate_up \[48, 32\] must be \[2F, D\] for w_down \[32, 48\]"):
+        NativeBlockWeights(nw.wo, nw.g_ffn, nw.w_gate_up[:48], nw.w_down, nw.g_attn, nw.w_qkv, **args)
+    with pytest.raises(TypeError, match="weights must be BlockWeights or NativeBlockWeights, got tuple"):
+        block_segment(torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(4, dtype=torch.long), w.tensors())
+
+
+@pytest.mark.parametrize("layout", ["standard", "native"])
+def test_block_traces_into_one_graph(layout: str) -> None:
     """torch.compile(fullgraph=True) sees the segment as custom ops and gives the same results."""
     torch._dynamo.reset()
     w, attn, x0, pos = make(torch.float32, 12, 32, 4, 2, 8, 24)
+    w = native(w) if layout == "native" else w
 
     def run(attn: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         x2, qkv = block_segment(attn, x0, pos, w)

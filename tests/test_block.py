@@ -77,6 +77,17 @@ def test_native_weights_give_the_standard_results_bit_for_bit() -> None:
         assert a.shape == b.shape and a.is_contiguous() and torch.equal(a, b)
 
 
+def test_standard_weights_hold_no_converted_copy_until_backward() -> None:
+    """Standard weights are converted again in backward rather than saved converted: what
+    backward keeps of the weights is the caller's tensors (no [2F, D] or fused-qkv copy)."""
+    w, attn, x0, pos = make(torch.float32, 20, 32, 4, 2, 8, 48)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        block_segment(attn, x0, pos, w)
+    assert {t.data_ptr() for t in w.tensors()} <= {t.data_ptr() for t in saved}
+    assert not [t.shape for t in saved if t.shape in ((96, 32), (64, 32))]
+
+
 def test_native_weights_round_trip_and_reject_bad_shapes() -> None:
     w, *_ = make(torch.float32, 4, 32, 4, 2, 8, 48)
     back = NativeBlockWeights.from_standard(w).to_standard()

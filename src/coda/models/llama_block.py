@@ -14,8 +14,10 @@ permutation of head dimensions applied to both q and k, and v is unpermuted.
 
 The kernels take the weights in coda's layouts (NativeBlockWeights: gate/up rows interleaved,
 q and k rows pair-permuted and fused with v). Standard-layout weights (BlockWeights) are
-converted on the way in by differentiable copies, so their gradients come back standard; a
-model that stores NativeBlockWeights skips those copies (about 0.2 ms per step at D=2048).
+converted inside the ops, forward and again backward (keeping the converted copies from
+forward to backward would cost activation memory the size of the FFN weights per layer), and
+their gradients are converted back; a model that stores NativeBlockWeights skips all of
+these copies.
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ class NativeBlockWeights:
 
     @classmethod
     def from_standard(cls, w: BlockWeights) -> NativeBlockWeights:
-        """Differentiable: gradients reach w's tensors in their standard layouts."""
+        """New tensors in coda's layouts (copies; autograd tracks them like any torch op)."""
         hd = w.head_dim
         w_qkv = torch.cat([permute_rope_rows(w.wq, w.n_heads, hd), permute_rope_rows(w.wk, w.n_kv_heads, hd), w.wv])
-        return cls(w.wo, w.g_ffn, _InterleaveGateUp.apply(w.w_gate, w.w_up), w.w_down, w.g_attn, w_qkv,
+        return cls(w.wo, w.g_ffn, interleave_gate_up(w.w_gate, w.w_up), w.w_down, w.g_attn, w_qkv,
                    n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base)
 
     def to_standard(self) -> BlockWeights:
@@ -112,21 +114,6 @@ class NativeBlockWeights:
                             unpermute_rope_rows(self.w_qkv[nq:nq + nk], self.n_kv_heads, hd),
                             self.w_qkv[nq + nk:].contiguous(), n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                             eps=self.eps, rope_base=self.rope_base)
-
-
-class _InterleaveGateUp(torch.autograd.Function):
-    """interleave_gate_up whose backward hands each weight a contiguous gradient (the strided
-    halves would be copied by AccumulateGrad anyway; copying here keeps torch.autograd.grad
-    callers and .backward() callers paying the same)."""
-
-    @staticmethod
-    def forward(ctx, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-        return interleave_gate_up(w_gate, w_up)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d_gate, d_up = split_gate_up(grad)
-        return d_gate.contiguous(), d_up.contiguous()
 
 
 def _inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
@@ -147,17 +134,21 @@ def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, de
     return torch.cat([inv.repeat(rotated_heads), inv.new_zeros(v_pairs)])
 
 
-def _weights(tensors: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float,
-             rope_base: float) -> NativeBlockWeights:
+def _weights(tensors: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
+             standard: bool) -> NativeBlockWeights:
+    """The ops' weight list (BlockWeights or NativeBlockWeights order) in coda's layouts."""
+    if standard:
+        return NativeBlockWeights.from_standard(
+            BlockWeights(*tensors, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps, rope_base=rope_base))
     return NativeBlockWeights(*tensors, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps, rope_base=rope_base)
 
 
 @torch.library.custom_op("coda::block_segment_fwd", mutates_args=())
 def _fwd(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: list[torch.Tensor], n_heads: int,
-         n_kv_heads: int, eps: float, rope_base: float
+         n_kv_heads: int, eps: float, rope_base: float, standard: bool
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x2, qkv) and what backward keeps: x1, rstd1, z1, rstd2."""
-    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base)
+    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base, standard)
     d = x0.shape[-1]
     p1 = gemm(attn_out, w.wo.T, E.residual_norm_stats, residual=x0, norm_weight=w.g_ffn)
     rstd1 = torch.rsqrt(p1["sumsq"] / d + w.eps)  # the tiny finalize
@@ -169,21 +160,23 @@ def _fwd(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: l
 
 
 @_fwd.register_fake
-def _(attn_out, x0, pos, weights, n_heads, n_kv_heads, eps, rope_base):
+def _(attn_out, x0, pos, weights, n_heads, n_kv_heads, eps, rope_base, standard):
     m, d = x0.shape
     rows = x0.new_empty(m, dtype=torch.float32)
     like = attn_out  # every GEMM output takes the dtype of the chain's first operand
-    return (like.new_empty(m, d), like.new_empty(m, weights[5].shape[0]), like.new_empty(m, d), rows,
-            like.new_empty(m, weights[2].shape[0]), torch.empty_like(rows))
+    n_qkv = sum(t.shape[0] for t in weights[6:9]) if standard else weights[5].shape[0]
+    n_z = 2 * weights[2].shape[0] if standard else weights[2].shape[0]
+    return (like.new_empty(m, d), like.new_empty(m, n_qkv), like.new_empty(m, d), rows, like.new_empty(m, n_z),
+            torch.empty_like(rows))
 
 
 @torch.library.custom_op("coda::block_segment_bwd", mutates_args=())
 def _bwd(d_x2: torch.Tensor, d_qkv: torch.Tensor, attn_out: torch.Tensor, pos: torch.Tensor, x1: torch.Tensor,
          rstd1: torch.Tensor, z1: torch.Tensor, x2: torch.Tensor, rstd2: torch.Tensor, qkv: torch.Tensor,
          weights: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float,
-         rope_base: float) -> list[torch.Tensor]:
-    """Gradients for attn_out, x0 and the six native weights (in NativeBlockWeights order)."""
-    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base)
+         rope_base: float, standard: bool) -> list[torch.Tensor]:
+    """Gradients for attn_out, x0 and the weights, in the order and layouts they came in."""
+    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base, standard)
     d = x2.shape[-1]
     w_gu, w_qkv, freq = w.w_gate_up, w.w_qkv, _rope_freq(w)
     # RoPE backward: rotate by -theta (a row pass); the rotation keeps dot products, so
@@ -203,11 +196,14 @@ def _bwd(d_x2: torch.Tensor, d_qkv: torch.Tensor, attn_out: torch.Tensor, pos: t
     d_wgu = gemm(sb["dz"].T, n1["normed"])
     d_attn = gemm(grad, w.wo)
     d_wo = gemm(grad.T, attn_out)
-    return [d_attn, grad, d_wo, n1["dg"].to(w.g_ffn.dtype), d_wgu, d_wdown, n2["dg"].to(w.g_attn.dtype), d_wqkv]
+    d_w = NativeBlockWeights(d_wo, n1["dg"].to(w.g_ffn.dtype), d_wgu, d_wdown, n2["dg"].to(w.g_attn.dtype), d_wqkv,
+                             n_heads=n_heads, n_kv_heads=n_kv_heads)
+    return [d_attn, grad, *(d_w.to_standard() if standard else d_w).tensors()]
 
 
 @_bwd.register_fake
-def _(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, n_heads, n_kv_heads, eps, rope_base):
+def _(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, n_heads, n_kv_heads, eps, rope_base,
+      standard):
     return [torch.empty_like(attn_out), torch.empty_like(d_x2), *(torch.empty_like(t) for t in weights)]
 
 
@@ -224,7 +220,7 @@ def _backward(ctx, d_x2, d_qkv, *_unused):
     d_x2 = torch.zeros_like(x2) if d_x2 is None else d_x2  # an output the loss did not use
     d_qkv = torch.zeros_like(qkv) if d_qkv is None else d_qkv
     grads = _bwd(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, *ctx.config)
-    return grads[0], grads[1], None, list(grads[2:]), None, None, None, None
+    return grads[0], grads[1], None, list(grads[2:]), None, None, None, None, None
 
 
 torch.library.register_autograd("coda::block_segment_fwd", _backward, setup_context=_setup)
@@ -238,10 +234,11 @@ def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor,
     positions. qkv: [M, (H + 2 KV) hd] with q, k rotated in pair-adjacent order, v plain.
     Standard-layout weights are converted per call (see the module docstring).
     """
-    w = NativeBlockWeights.from_standard(weights) if isinstance(weights, BlockWeights) else weights
-    if not isinstance(w, NativeBlockWeights):
+    if not isinstance(weights, (BlockWeights, NativeBlockWeights)):
         raise TypeError(f"block_segment: weights must be BlockWeights or NativeBlockWeights, got {type(weights).__name__}")
-    out = _fwd(attn_out, x0, pos, list(w.tensors()), w.n_heads, w.n_kv_heads, float(w.eps), float(w.rope_base))
+    w = weights
+    out = _fwd(attn_out, x0, pos, list(w.tensors()), w.n_heads, w.n_kv_heads, float(w.eps), float(w.rope_base),
+               isinstance(w, BlockWeights))
     return out[0], out[1]
 
 

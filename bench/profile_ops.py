@@ -14,6 +14,7 @@ each row-group size (GROUP_M) beside cuBLAS.
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,6 +120,41 @@ def host_and_wall(step, iters: int = 5) -> dict[str, float]:
     return {"host": host / iters * 1e3, "wall": wall / iters * 1e3}
 
 
+def idle_gaps(step, top: int = 6) -> dict:
+    """Where the GPU waits inside one forward+backward: the gaps between consecutive device
+    activities, each with the lag of its launch call behind the previous activity's end (lag > 0:
+    the host was late, the gap is host time) and the innermost host op that made the call. The
+    profiler's own host overhead (CPU activity on) widens the gaps somewhat."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = [e for e in json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    host_ops = [e for e in events if e.get("cat") == "cpu_op"]
+
+    def innermost(call: dict) -> str:
+        around = [o for o in host_ops if o["tid"] == call["tid"] and o["ts"] <= call["ts"] <= o["ts"] + o["dur"]]
+        return max(around, key=lambda o: o["ts"])["name"] if around else "?"
+
+    gaps = []
+    for prev, cur in zip(device, device[1:]):
+        end = prev["ts"] + prev["dur"]
+        if cur["ts"] - end <= 0:
+            continue
+        call = calls.get(cur.get("args", {}).get("correlation"))
+        gaps.append({"us": cur["ts"] - end, "lag_us": None if call is None else call["ts"] - end,
+                     "next": cur["name"][:70], "host_op": "?" if call is None else innermost(call)[:70]})
+    return {"idle_ms": sum(g["us"] for g in gaps) / 1e3,
+            "span_ms": (device[-1]["ts"] + device[-1]["dur"] - device[0]["ts"]) / 1e3 if device else 0.0,
+            "top": sorted(gaps, key=lambda g: -g["us"])[:top]}
+
+
 def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float]:
     """The LM-head GEMM (plain, and with the statistics epilogue, weight [V, D]) at its tuned tile with
     each GROUP_M, beside cuBLAS: with the tile order grouping GROUP_M row tiles, the 0.5 GB weight
@@ -144,6 +180,10 @@ def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float
     return times
 
 
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def markdown(result: dict, note: str | None) -> str:
     """Per op and variant: total kernel time and the kernels over 1% of it."""
     lines = ["# profile_ops", "", "Device time per forward+backward, kernel by kernel (torch.profiler, mean of "
@@ -152,6 +192,15 @@ def markdown(result: dict, note: str | None) -> str:
     if note:
         lines += [note, ""]
     for key, rows in result.items():
+        if key == "idle_gaps":
+            lines += ["## idle_gaps", "", "GPU idle time inside one profiled forward+backward (CPU activity on), and the "
+                      "largest gaps: lag = launch call after the previous kernel's end (> 0: the host was late).", ""]
+            for op, g in rows.items():
+                lines += [f"### {op}: {g['idle_ms']:.3f} ms idle of {g['span_ms']:.3f} ms", "",
+                          "| gap us | lag us | next on the GPU | launched from |", "|---|---|---|---|"]
+                lines += [f"| {t['us']:.0f} | {_us(t['lag_us'])} | `{t['next']}` | `{t['host_op']}` |" for t in g["top"]]
+                lines.append("")
+            continue
         if isinstance(rows, dict) and all(isinstance(t, dict) for t in rows.values()):
             lines += [f"## {key}", "", "| op | kernels ms | host ms | wall ms |", "|---|---|---|---|"]
             lines += [f"| {op} | {t['kernels']:.3f} | {t['host']:.3f} | {t['wall']:.3f} |" for op, t in rows.items()]
@@ -186,17 +235,24 @@ def main() -> None:
     work = workloads(8192, 2048, 8192, 128256)
     result = {}
     timing = {}
+    gaps = {}
     for op in args.ops.split(","):
         for variant, step in work[op].items():
             rows = kernel_table(step)
             result[f"{op}/{variant}"] = rows
             kernels = sum(r["us"] for r in rows) / 1e3
             timing[f"{op}/{variant}"] = {"kernels": kernels, **host_and_wall(step)}
+            gaps[f"{op}/{variant}"] = idle_gaps(step)
             log(f"== {op} {variant}: {kernels:.3f} ms of kernels per fwd+bwd; host {timing[f'{op}/{variant}']['host']:.3f} ms, "
                 f"wall {timing[f'{op}/{variant}']['wall']:.3f} ms")
             for r in rows[:14]:
                 log(f"   {r['us'] / 1e3:8.3f} ms  x{r['calls']:<4g} {r['kernel'][:90]}")
+            g = gaps[f"{op}/{variant}"]
+            log(f"   idle {g['idle_ms']:.3f} ms of {g['span_ms']:.3f} ms; largest gaps (us, launch lag us, next, host op):")
+            for t in g["top"]:
+                log(f"     {t['us']:7.1f} {_us(t['lag_us']):>8} {t['next'][:50]:50s} {t['host_op'][:50]}")
     result["host_and_wall_ms"] = timing
+    result["idle_gaps"] = gaps
     result["lm_head_gemm_by_group_m_ms"] = row_groups()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile_ops.json").write_text(json.dumps(result, indent=1))

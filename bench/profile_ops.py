@@ -194,7 +194,9 @@ def markdown(result: dict, note: str | None) -> str:
     for key, rows in result.items():
         if key == "idle_gaps":
             lines += ["## idle_gaps", "", "GPU idle time inside one profiled forward+backward (CPU activity on), and the "
-                      "largest gaps: lag = launch call after the previous kernel's end (> 0: the host was late).", ""]
+                      "largest gaps: lag = launch call after the previous kernel's end (> 0: the host was late); launched "
+                      "from = the innermost host op around the launch call (GeneratedBackwardFor_X is custom op X's "
+                      "autograd wrapper running X forward).", ""]
             for op, g in rows.items():
                 lines += [f"### {op}: {g['idle_ms']:.3f} ms idle of {g['span_ms']:.3f} ms", "",
                           "| gap us | lag us | next on the GPU | launched from |", "|---|---|---|---|"]

@@ -6,8 +6,10 @@
 #   3. the ops + block suite (bench/ops_block.py)
 #   4. (profile) where the ops' time goes, kernel by kernel (bench/profile_ops.py)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
-#   bash bench/gpu_session.sh tests | epilogues | ops | profile   (each about 4-6 minutes: one device call each,
-#   since a call may run 10 minutes; with no argument all three run, for a machine without that limit)
+#   bash bench/gpu_session.sh tests | epilogues | ops | profile   (several steps may share one device call:
+#   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
+#   cache adds the tuning, about 4 min for ops. Each step stops after STEP_TIMEOUT (540) seconds, a device
+#   call's limit being 600; with no argument tests, epilogues and ops run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coda-out}
@@ -27,11 +29,11 @@ steps=${*:-tests epilogues ops}
 for step in $steps; do
   case $step in
     tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
-    epilogues) timeout 300 python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
+    epilogues) timeout ${STEP_TIMEOUT:-540} python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
                  | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
-    ops) timeout 300 python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
+    ops) timeout ${STEP_TIMEOUT:-540} python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
            | tee "$OUT/ops.log" | tail -30 ;;
-    profile) timeout 300 python3 bench/profile_ops.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
+    profile) timeout ${STEP_TIMEOUT:-540} python3 bench/profile_ops.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
                | tee "$OUT/profile.log" | grep -v Warning | tail -80 ;;
     *) echo "unknown step $step (tests, epilogues, ops, profile)"; exit 2 ;;
   esac

@@ -157,8 +157,7 @@ def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
 
     # what a model storing coda's layouts runs: native weights (their own leaves) in, the qkv order
     # attention takes out; checked through the inverse layouts, timed without them
-    nw = NativeBlockWeights(*(t.detach().requires_grad_() for t in NativeBlockWeights.from_standard(w).tensors()),
-                            n_heads=heads, n_kv_heads=kv)
+    nw = NativeBlockWeights.from_standard(w).leaves()
     native_params = (attn, x0) + nw.tensors()
 
     def ours_native(standard_qkv: bool = False):

@@ -57,8 +57,7 @@ def workloads(m: int, d: int, f: int, v: int) -> dict[str, dict[str, object]]:
     n_qkv = (heads + 2 * kv) * hd
     go_block = rand(m, d + n_qkv)
 
-    nbw = NativeBlockWeights(*(t.detach().requires_grad_() for t in NativeBlockWeights.from_standard(bw).tensors()),
-                             n_heads=heads, n_kv_heads=kv)  # coda's layouts, stored: no per-call copies
+    nbw = NativeBlockWeights.from_standard(bw).leaves()  # coda's layouts, stored: no per-call copies
 
     def block(impl, weights=bw):
         def run():

@@ -57,9 +57,7 @@ def test_block_matches_pytorch_in_fp32(m: int, d: int, heads: int, kv: int, hd: 
 
 
 def native(w: BlockWeights) -> NativeBlockWeights:
-    """w in coda's layouts, as leaves of their own (what a model storing them holds)."""
-    return NativeBlockWeights(*(t.detach().requires_grad_() for t in NativeBlockWeights.from_standard(w).tensors()),
-                              n_heads=w.n_heads, n_kv_heads=w.n_kv_heads)
+    return NativeBlockWeights.from_standard(w).leaves()
 
 
 def test_native_weights_give_the_standard_results_bit_for_bit() -> None:
@@ -93,6 +91,7 @@ def test_native_weights_round_trip_and_reject_bad_shapes() -> None:
     back = NativeBlockWeights.from_standard(w).to_standard()
     assert all(torch.equal(a, b) for a, b in zip(back.tensors(), w.tensors()))
     nw = native(w)
+    assert all(t.is_leaf and t.requires_grad for t in nw.tensors()) and (nw.eps, nw.rope_base) == (w.eps, w.rope_base)
     args = dict(n_heads=4, n_kv_heads=2)
     with pytest.raises(ValueError, match=r"w_qkv \[60, 32\] is not \[\(n_heads \+ 2 n_kv_heads\) \* head_dim, D\]"):
         NativeBlockWeights(nw.wo, nw.g_ffn, nw.w_gate_up, nw.w_down, nw.g_attn, nw.w_qkv[:60], **args)

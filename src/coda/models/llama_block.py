@@ -22,6 +22,7 @@ these copies.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -105,6 +106,12 @@ class NativeBlockWeights:
         return cls(w.wo, w.g_ffn, interleave_gate_up(w.w_gate, w.w_up), w.w_down, w.g_attn, w_qkv,
                    n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base)
 
+    def leaves(self) -> NativeBlockWeights:
+        """The same values as fresh autograd leaves: what a model storing this layout holds as parameters."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{name: t.detach().requires_grad_() for name, t in values.items()
+                                            if isinstance(t, torch.Tensor)})
+
     def to_standard(self) -> BlockWeights:
         """The inverse layouts (also turns gradients of native weights into standard ones)."""
         hd, nq, nk = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -162,12 +169,11 @@ def _fwd(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: l
 @_fwd.register_fake
 def _(attn_out, x0, pos, weights, n_heads, n_kv_heads, eps, rope_base, standard):
     m, d = x0.shape
+    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base, standard)
     rows = x0.new_empty(m, dtype=torch.float32)
     like = attn_out  # every GEMM output takes the dtype of the chain's first operand
-    n_qkv = sum(t.shape[0] for t in weights[6:9]) if standard else weights[5].shape[0]
-    n_z = 2 * weights[2].shape[0] if standard else weights[2].shape[0]
-    return (like.new_empty(m, d), like.new_empty(m, n_qkv), like.new_empty(m, d), rows, like.new_empty(m, n_z),
-            torch.empty_like(rows))
+    return (like.new_empty(m, d), like.new_empty(m, w.w_qkv.shape[0]), like.new_empty(m, d), rows,
+            like.new_empty(m, w.w_gate_up.shape[0]), torch.empty_like(rows))
 
 
 @torch.library.custom_op("coda::block_segment_bwd", mutates_args=())
@@ -236,9 +242,8 @@ def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor,
     """
     if not isinstance(weights, (BlockWeights, NativeBlockWeights)):
         raise TypeError(f"block_segment: weights must be BlockWeights or NativeBlockWeights, got {type(weights).__name__}")
-    w = weights
-    out = _fwd(attn_out, x0, pos, list(w.tensors()), w.n_heads, w.n_kv_heads, float(w.eps), float(w.rope_base),
-               isinstance(w, BlockWeights))
+    out = _fwd(attn_out, x0, pos, list(weights.tensors()), weights.n_heads, weights.n_kv_heads, float(weights.eps),
+               float(weights.rope_base), isinstance(weights, BlockWeights))
     return out[0], out[1]
 
 

@@ -35,7 +35,7 @@ def swiglu(acc):
 
 def key(**changes: object) -> TuneKey:
     base = dict(graph=swiglu.graph.hash, m_bucket=8192, n=16384, k=2048, spec="s", gpu="NVIDIA H200",
-                triton="3.6.0", coda=coda.__version__, template=3)
+                triton="3.6.0", coda=coda.__version__, generator="g0", backends=("triton",))
     base.update(changes)
     return TuneKey(**base)
 
@@ -124,7 +124,7 @@ def test_config_space_is_pruned_per_graph() -> None:
 
 @pytest.mark.parametrize("field,value", [
     ("graph", grouped.graph.hash), ("m_bucket", 16384), ("n", 8192), ("k", 4096), ("spec", "other"),
-    ("gpu", "NVIDIA H100"), ("triton", "3.5.0"), ("coda", "0.0.1"), ("template", 2),
+    ("gpu", "NVIDIA H100"), ("triton", "3.5.0"), ("coda", "0.0.1"), ("generator", "g1"), ("backends", ("gluon-hopper", "triton")),
 ])
 def test_every_key_field_changes_the_file(field: str, value: object) -> None:
     assert key().filename() != key(**{field: value}).filename()
@@ -289,7 +289,7 @@ _SCRIPT = textwrap.dedent("""
         return 1.0 + abs(calls[-1].block_n - 256) / 1000 - 0.01 * calls[-1].flatten
     autotune.measure = measure
     key = autotune.TuneKey(graph=swiglu.graph.hash, m_bucket=8192, n=16384, k=2048, spec="s", gpu="g",
-                           triton="3.6.0", coda=coda.__version__, template=3)
+                           triton="3.6.0", coda=coda.__version__, generator="g0", backends=("triton",))
     cfg = autotune.choose(swiglu.graph, key, "bfloat16", 2, 2, 8192, 16384, 2048, calls.append, lambda c: None)
     print(json.dumps({"config": cfg.model_dump(), "benchmarked": len(calls)}))
 """)
@@ -353,14 +353,15 @@ def test_tma_stores_only_while_shared_memory_fits() -> None:
     """An fp32 out= tile would overflow shared memory beside a 3-stage 128x256 ring: it is stored
     through pointers instead, so the config still runs; a bf16 output keeps its TMA store."""
     import torch
-    from coda.runtime.launch import PLAIN, _spec_fields
+    from coda.runtime.launch import PLAIN
+    from coda.runtime.specialize import spec_fields as _spec_fields
     from coda.runtime.validate import validate
 
     a, b = torch.randn(256, 128).bfloat16(), torch.randn(128, 512).bfloat16()
     cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     wide_out = validate(PLAIN, a, b, {}, torch.empty(256, 512), True)
-    assert _spec_fields(wide_out, False, cfg)[6] == ()
-    assert _spec_fields(validate(PLAIN, a, b, {}, None, True), False, cfg)[6] == ("out",)
+    assert _spec_fields(wide_out, False, cfg)[7] == ()
+    assert _spec_fields(validate(PLAIN, a, b, {}, None, True), False, cfg)[7] == ("out",)
 
 
 def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
@@ -371,7 +372,7 @@ def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     import torch
     from coda.ops.epilogues import swiglu_backward
     from coda.runtime.config import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes
-    from coda.runtime.launch import _spec_fields
+    from coda.runtime.specialize import spec_fields as _spec_fields
     from coda.runtime.validate import validate
 
     m, f, d = 256, 256, 64
@@ -379,7 +380,7 @@ def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     z = torch.randn(m, 2 * f).bfloat16()
     cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
     fields = _spec_fields(validate(swiglu_backward.graph, a, b, {"z": z}, None, True), False, cfg)
-    tiles, tma_stores = fields[7], fields[6]
+    tiles, tma_stores = fields[8], fields[7]
     assert tiles == ("z",)
     used = ring_bytes(cfg, 2) + staging_bytes(cfg, 2, 2) + sum(
         staging_bytes(cfg, {"dz": 2, "y": 1}[name], 2) for name in tma_stores)

@@ -6,6 +6,10 @@ times its width). Code that depends on columns is emitted once and repeated per 
 by codegen; Scalar and VecM loads (`row_loads`) run once per tile.
 Arithmetic is fp32; integer operands and indices stay integers until arithmetic or a
 comparison with a float needs otherwise, so integer comparisons are exact.
+
+One emitter serves both backends: a `Dialect` names the language module (`tl` or `gl`),
+how index ranges are laid out (Gluon ranges carry explicit layouts), and how values made by
+reshapes return to the epilogue's layout. Primitive texts come from `coda.ir.primitives`.
 """
 
 from __future__ import annotations
@@ -18,37 +22,12 @@ from ..ir.nodes import (
     BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
     StoreOutput, UnaryNode, WhereNode,
 )
+from ..ir.primitives import PRIMITIVES, REDUCTIONS
 from ..ir.types import Kind
+from .dialect import Dialect, dialect_of
 from .spec import FLOAT_DTYPES, OperandForm, Specialization, width_suffix
 
-_UNARY = {
-    "neg": "-({x})",
-    "exp": "tl.exp({x})",
-    "log": "tl.log({x})",
-    "sqrt": "tl.sqrt_rn({x})",
-    "rsqrt": "tl.rsqrt({x})",
-    "sigmoid": "tl.sigmoid({x})",
-    "silu": "{x} * tl.sigmoid({x})",
-    "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
-    "tanh": "_tanh({x})",
-    "relu": "tl.maximum({x}, 0.0)",
-    "sin": "_trig({x}, 0)",
-    "cos": "_trig({x}, 1)",
-    "abs": "tl.abs({x})",
-    "square": "{x} * {x}",
-    "round_bf16": "({x}).to(tl.bfloat16).to(tl.float32)",
-    "round_fp16": "({x}).to(tl.float16).to(tl.float32)",
-}
-_BINARY = {
-    "add": "{x} + {y}", "sub": "{x} - {y}", "mul": "{x} * {y}", "div": "tl.div_rn({x}, {y})",
-    "maximum": "tl.maximum({x}, {y}, propagate_nan=tl.PropagateNan.ALL)",
-    "minimum": "tl.minimum({x}, {y}, propagate_nan=tl.PropagateNan.ALL)",
-    "lt": "{x} < {y}", "le": "{x} <= {y}", "gt": "{x} > {y}", "ge": "{x} >= {y}",
-    "eq": "{x} == {y}", "ne": "{x} != {y}",
-}
-_TL_DTYPE = {
-    "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
-}
+_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
 
 
 def cols(width: Fraction) -> str:
@@ -69,14 +48,14 @@ def _col_vars(width: Fraction) -> tuple[str, str]:
     return f"cols_{s}", f"mask_{s}"
 
 
-def _literal(value: float) -> str:
+def _literal(value: float, ns: str) -> str:
     if math.isnan(value):
         return 'float("nan")'
     if math.isinf(value):
         return 'float("inf")' if value > 0 else 'float("-inf")'
     if value == 0.0 and math.copysign(1.0, value) < 0:
         # Triton turns a -0.0 constant into its null value (+0.0); build it from its bits.
-        return "tl.full((), -2147483648, tl.int32).to(tl.float32, bitcast=True)"
+        return f"{ns}.full((), -2147483648, {ns}.int32).to({ns}.float32, bitcast=True)"
     return repr(float(value))
 
 
@@ -86,6 +65,8 @@ class EpilogueEmitter:
     def __init__(self, graph: Graph, spec: Specialization) -> None:
         self.graph = graph
         self.spec = spec
+        self.d: Dialect = dialect_of(spec.backend)
+        self.ns = self.d.ns
         self.forms: dict[str, OperandForm] = {f.name: f for f in spec.operands}
         self.kinds = {s.name: s for s in graph.operands}
         self.widths: set[Fraction] = set()
@@ -99,7 +80,7 @@ class EpilogueEmitter:
     # -- helpers ---------------------------------------------------------------------
     def f32(self, node_id: int) -> str:
         v = self.var[node_id]
-        return v if self.dtype[node_id] == "f32" else f"{v}.to(tl.float32)"
+        return v if self.dtype[node_id] == "f32" else f"{v}.to({self.ns}.float32)"
 
     def _set(self, node_id: int, expr: str, dtype: str) -> None:
         name = f"v{node_id}"
@@ -118,23 +99,24 @@ class EpilogueEmitter:
         base = f"in_{node.name}"
         if spec.kind == Kind.SCALAR and form.dtype is None:
             return base, "f32"
+        ns = self.ns
         if spec.kind == Kind.SCALAR:
-            expr = f"tl.load({base}_ptr)"
+            expr = f"{ns}.load({base}_ptr)"
         elif spec.kind == Kind.VEC_M:
-            expr = f"tl.load({base}_ptr + rows * {base}_s0, mask=mask_m, other=0)[:, None]"
+            expr = f"{ns}.load({base}_ptr + rows * {base}_s0, mask=mask_m, other=0)[:, None]"
         elif spec.kind == Kind.VEC_N:
             c, mk = self._col_names(spec.frac_width)
-            expr = f"tl.load({base}_ptr + {c} * {base}_s0, mask={mk}, other=0)[None, :]"
+            expr = f"{ns}.load({base}_ptr + {c} * {base}_s0, mask={mk}, other=0)[None, :]"
         elif node.name in self.spec.tma_tiles:  # the descriptor zero-fills the ragged edges
-            expr = f"{base}_ptr.load([off_m, {col_start(spec.frac_width)}])"
+            expr = self.d.tma_tile_load(node.name, base, col_start(spec.frac_width))
         else:
             c, mk = self._col_names(spec.frac_width)
             expr = (
-                f"tl.load({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, "
+                f"{ns}.load({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, "
                 f"mask=mask_m[:, None] & {mk}[None, :], other=0)"
             )
         if form.dtype in FLOAT_DTYPES:
-            return f"{expr}.to(tl.float32)", "f32"
+            return f"{expr}.to({ns}.float32)", "f32"
         return expr, "bool" if form.dtype == "bool" else "int"
 
     # -- values ----------------------------------------------------------------------
@@ -151,7 +133,7 @@ class EpilogueEmitter:
                 (self.row_loads if per_row else self.loads).append(f"{name} = {expr}")
                 self.var[nid], self.dtype[nid] = name, dtype
             elif isinstance(node, ConstNode):
-                self.var[nid], self.dtype[nid] = _literal(node.value), "f32"
+                self.var[nid], self.dtype[nid] = _literal(node.value, self.ns), "f32"
             elif isinstance(node, IndexNode):
                 if node.axis == "m":
                     self._set(nid, "offs_m[:, None]", "int")
@@ -162,34 +144,40 @@ class EpilogueEmitter:
                 if node.fn == "round_bf16" and self.spec.interpret:  # the interpreter truncates
                     self._set(nid, f"_bf16_rne({self.f32(node.x)}).to(tl.float32)", "f32")
                 else:
-                    self._set(nid, _UNARY[node.fn].format(x=self.f32(node.x)), "f32")
+                    self._set(nid, PRIMITIVES[node.fn].emit(self.d.backend, self.f32(node.x)), "f32")
             elif isinstance(node, BinaryNode):
-                if node.fn in ("lt", "le", "gt", "ge", "eq", "ne"):
-                    x, y = self.var[node.x], self.var[node.y]
-                    self._set(nid, _BINARY[node.fn].format(x=x, y=y), "bool")
+                prim = PRIMITIVES[node.fn]
+                if prim.result == "bool":  # raw operands: integer comparisons stay exact
+                    self._set(nid, prim.emit(self.d.backend, self.var[node.x], self.var[node.y]), "bool")
                 else:
-                    self._set(nid, _BINARY[node.fn].format(x=self.f32(node.x), y=self.f32(node.y)), "f32")
+                    self._set(nid, prim.emit(self.d.backend, self.f32(node.x), self.f32(node.y)), "f32")
             elif isinstance(node, WhereNode):
                 c = self.var[node.cond] if self.dtype[node.cond] == "bool" else f"({self.var[node.cond]} != 0)"
-                self._set(nid, f"tl.where({c}, {self.f32(node.x)}, {self.f32(node.y)})", "f32")
+                self._set(nid, f"{self.ns}.where({c}, {self.f32(node.x)}, {self.f32(node.y)})", "f32")
             elif isinstance(node, PairNode):
                 even, odd = self._split(node.x)
                 self.var[nid], self.dtype[nid] = (even, odd)[node.half], self.dtype[node.x]
             elif isinstance(node, InterleaveNode):
-                self._set(nid, f"tl.interleave({self.f32(node.x)}, {self.f32(node.y)})", "f32")
+                rows = "BLOCK_M" if node.kind == Kind.TILE else "1"
+                joined = f"{self.ns}.join({self.f32(node.x)}, {self.f32(node.y)})"
+                self._set(nid, self.d.relayout(f"{self.ns}.reshape({joined}, ({rows}, {cols(node.frac_width)}))"), "f32")
 
     def _split(self, x: int) -> tuple[str, str]:
         if x not in self._splits:
             kind, width = self.graph.node(x).kind, self.graph.node(x).frac_width
             rows = "BLOCK_M" if kind == Kind.TILE else "1"
             even, odd = f"v{x}_even", f"v{x}_odd"
-            self.body.append(f"{even}, {odd} = tl.split(tl.reshape({self.var[x]}, ({rows}, {cols(width)} // 2, 2)))")
+            ns = self.ns
+            self.body.append(f"{even}, {odd} = {ns}.split({ns}.reshape({self.var[x]}, ({rows}, {cols(width)} // 2, 2)))")
+            for half in (even, odd):
+                if self.d.relayout(half) != half:
+                    self.body.append(f"{half} = {self.d.relayout(half)}")
             self._splits[x] = (even, odd)
         return self._splits[x]
 
     # -- sinks -----------------------------------------------------------------------
     def emit_stores(self) -> list[str]:
-        lines = []
+        lines, copies = [], []
         stores = dict(self.spec.store_dtypes)
         for out in self.graph.outputs:
             if not isinstance(out, StoreOutput):
@@ -200,18 +188,20 @@ class EpilogueEmitter:
             if dtype == "bfloat16" and self.spec.interpret:
                 value = f"_bf16_rne({value})"
             elif dtype != "float32":
-                value = f"({value}).to({_TL_DTYPE[dtype]})"
+                value = f"({value}).to({self.ns}.{_DTYPE[dtype]})"
             base = f"out_{out.name}"
             if out.name in self.spec.tma_stores:
                 # The descriptor clips the ragged edges; no mask needed.
-                lines.append(f"{base}_ptr.store([off_m, {col_start(width)}], {value})")
+                write, copy = self.d.tma_store(out.name, base, col_start(width), value)
+                lines.append(write)
+                copies += [copy] if copy else []
                 continue
             c, mk = self._col_names(width)
             lines.append(
-                f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
+                f"{self.ns}.store({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
                 f"mask=mask_m[:, None] & {mk}[None, :])"
             )
-        return lines
+        return self.d.order_stores(lines, copies)
 
     def emit_reductions(self) -> list[str]:
         lines: list[str] = []
@@ -224,38 +214,43 @@ class EpilogueEmitter:
         width = self.graph.node(out.x).frac_width
         c, mk = self._col_names(width)
         x = self.f32(out.x)
+        ns = self.ns
         base, r = f"out_{out.name}", f"red_{out.name}"
         if out.axis == "m":
             return [
-                f"{r} = tl.sum(tl.where(mask_m[:, None], {x}, 0.0), axis=0)",
-                f"tl.store({base}_ptr + pid_m.to(tl.int64) * {n_total(width)} + {c}, {r}, mask={mk})",
+                f"{r} = {ns}.sum({ns}.where(mask_m[:, None], {x}, 0.0), axis=0)",
+                f"{ns}.store({base}_ptr + pid_m.to({ns}.int64) * {n_total(width)} + {c}, {r}, mask={mk})",
             ]
-        identity = "0.0" if out.op == "sum" else 'float("-inf")'
-        lines = [f"{r} = tl.where({mk}[None, :], {x}, {identity})"]
+        identity = REDUCTIONS[out.op].identity
+        lines = [f"{r} = {ns}.where({mk}[None, :], {x}, {identity})"]
         axis = 1
         if out.group is not None:
-            lines.append(f"{r} = tl.reshape({r}, (BLOCK_M, {cols(width)} // {out.group}, {out.group}))")
+            lines.append(f"{r} = {ns}.reshape({r}, (BLOCK_M, {cols(width)} // {out.group}, {out.group}))")
             axis = 2
         if out.op == "sum":
-            lines.append(f"{r} = tl.sum({r}, axis={axis})")
+            lines.append(f"{r} = {ns}.sum({r}, axis={axis})")
         elif out.op == "max":  # tl.max drops NaN; torch.amax (the oracle) propagates it
             lines += [
-                f"{r}_nan = tl.sum(({r} != {r}).to(tl.int32), axis={axis}) > 0",
-                f'{r} = tl.where({r}_nan, float("nan"), tl.max({r}, axis={axis}))',
+                f"{r}_nan = {ns}.sum(({r} != {r}).to({ns}.int32), axis={axis}) > 0",
+                f'{r} = {ns}.where({r}_nan, float("nan"), {ns}.max({r}, axis={axis}))',
             ]
         else:
             lines += [
-                f"{r}_max = tl.max({r}, axis={axis})",
-                f'{r}_max = tl.where({r}_max == float("-inf"), 0.0, {r}_max)',
-                f"{r} = {r}_max + tl.log(tl.sum(tl.exp({r} - tl.expand_dims({r}_max, {axis})), axis={axis}))",
+                f"{r}_max = {ns}.max({r}, axis={axis})",
+                f'{r}_max = {ns}.where({r}_max == float("-inf"), 0.0, {r}_max)',
+                f"{r} = {r}_max + {ns}.log({ns}.sum({ns}.exp({r} - {ns}.expand_dims({r}_max, {axis})), axis={axis}))",
             ]
+        if out.group is not None:  # back from the reshape's layout to the epilogue's
+            relaid = self.d.relayout(r)
+            if relaid != r:
+                lines.append(f"{r} = {relaid}")
         if out.group is None:
-            lines.append(f"tl.store({base}_ptr + rows * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask=mask_m)")
+            lines.append(f"{ns}.store({base}_ptr + rows * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask=mask_m)")
         else:
             g = out.group
             lines += [
-                f"{r}_cols = {col_start(width)} // {g} + tl.arange(0, {cols(width)} // {g})",
-                f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {r}_cols[None, :] * {base}_s1, {r}, "
+                f"{r}_cols = {col_start(width)} // {g} + {self.d.arange(f'{cols(width)} // {g}', 'n')}",
+                f"{ns}.store({base}_ptr + rows[:, None] * {base}_s0 + {r}_cols[None, :] * {base}_s1, {r}, "
                 f"mask=mask_m[:, None] & ({r}_cols[None, :] < {n_total(width)} // {g}))",
             ]
         return lines
@@ -268,7 +263,7 @@ class EpilogueEmitter:
                 lines += [f"{c} = offs_n", f"{mk} = mask_n"]
             else:
                 lines += [
-                    f"{c} = {col_start(width)} + tl.arange(0, {cols(width)})",
+                    f"{c} = {col_start(width)} + {self.d.arange(cols(width), 'n')}",
                     f"{mk} = {c} < {n_total(width)}",
                 ]
         return lines

@@ -15,6 +15,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from ..ir.nodes import OperandSpec, ReduceOutput, StoreOutput
+from ..ir.primitives import Backend
 from ..ir.types import Kind
 
 DType = Literal["float16", "bfloat16", "float32", "int8", "int16", "int32", "int64", "uint8", "bool"]
@@ -32,6 +33,7 @@ class OperandForm(BaseModel):
 
 class Specialization(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+    backend: Backend = "triton"  # which template and dialect the kernel is generated for
     in_dtype: Literal["float16", "bfloat16", "float32"]
     a_load: OperandLoad
     b_load: OperandLoad

@@ -11,19 +11,10 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .primitives import ARITH_FNS, BINARY_FNS, COMPARE_FNS, REDUCE_M_OPS, REDUCE_N_OPS, UNARY_FNS  # noqa: F401
 from .types import Kind
 
 WidthStr = Literal["1/2", "1", "2"]
-
-UNARY_FNS = (
-    "neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh",
-    "relu", "sin", "cos", "abs", "square", "round_bf16", "round_fp16",
-)
-ARITH_FNS = ("add", "sub", "mul", "div", "maximum", "minimum")
-COMPARE_FNS = ("lt", "le", "gt", "ge", "eq", "ne")
-BINARY_FNS = ARITH_FNS + COMPARE_FNS
-REDUCE_N_OPS = ("sum", "max", "logsumexp")
-REDUCE_M_OPS = ("sum",)
 
 UnaryFn = Literal[UNARY_FNS]  # type: ignore[valid-type]
 BinaryFn = Literal[BINARY_FNS]  # type: ignore[valid-type]
@@ -143,7 +134,7 @@ class ReduceOutput(_Model):
     name: str
     x: int
     axis: Literal["n", "m"]
-    op: Literal["sum", "max", "logsumexp"]
+    op: Literal[REDUCE_N_OPS]  # type: ignore[valid-type]  (reduce_m ops are a subset)
     group: Optional[int] = None
 
 

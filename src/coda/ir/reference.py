@@ -10,27 +10,14 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from .graph import Graph
+from .primitives import PRIMITIVES, reduce_reference
 from .nodes import (
     BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
     UnaryNode, WhereNode,
 )
 from .types import Kind
-
-_UNARY = {
-    "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
-    "sigmoid": torch.sigmoid, "silu": F.silu, "gelu": F.gelu, "tanh": torch.tanh, "relu": torch.relu,
-    "sin": torch.sin, "cos": torch.cos, "abs": torch.abs, "square": lambda x: x * x,
-    "round_bf16": lambda x: x.to(torch.bfloat16).float(), "round_fp16": lambda x: x.to(torch.float16).float(),
-}
-_ARITH = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
-    "maximum": torch.maximum, "minimum": torch.minimum,
-}
-_COMPARE = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
-
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.to(torch.float32)
@@ -67,10 +54,11 @@ def evaluate(graph: Graph, acc: torch.Tensor, operands: Mapping[str, object]) ->
             idx = torch.arange(count, dtype=torch.int32, device=acc.device)
             v = idx[:, None] if node.axis == "m" else idx[None, :]
         elif isinstance(node, UnaryNode):
-            v = _UNARY[node.fn](_f32(vals[node.x]))
+            v = PRIMITIVES[node.fn].reference(_f32(vals[node.x]))
         elif isinstance(node, BinaryNode):
             x, y = vals[node.x], vals[node.y]
-            v = _COMPARE[node.fn](x, y) if node.fn in _COMPARE else _ARITH[node.fn](_f32(x), _f32(y))
+            prim = PRIMITIVES[node.fn]
+            v = prim.reference(x, y) if prim.result == "bool" else prim.reference(_f32(x), _f32(y))
         elif isinstance(node, WhereNode):
             c = vals[node.cond]
             c = c if c.dtype == torch.bool else c != 0
@@ -93,10 +81,5 @@ def evaluate(graph: Graph, acc: torch.Tensor, operands: Mapping[str, object]) ->
         else:
             if out.group:
                 x = x.reshape(x.shape[0], x.shape[1] // out.group, out.group)
-            if out.op == "sum":
-                results[out.name] = x.sum(dim=-1)
-            elif out.op == "max":
-                results[out.name] = x.amax(dim=-1)
-            else:
-                results[out.name] = torch.logsumexp(x, dim=-1)
+            results[out.name] = reduce_reference(out.op, x, x.dim() - 1)
     return results

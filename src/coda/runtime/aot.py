@@ -15,7 +15,8 @@ from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
-from .config import HOPPER_SMEM_BYTES, Config, check_config
+from .config import GLUON_CONSUMER_REGS, GLUON_E_STAGES, GLUON_MAXNREG, HOPPER_SMEM_BYTES, Config, check_config
+from .tma import gluon_layout
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
           "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1"}
@@ -34,16 +35,23 @@ class AotResult:
         return "wgmma.mma_async" in self.ptx
 
 
+def _desc(short: str, block: list[int], gluon: bool) -> str:
+    """A tensor-descriptor signature type; Gluon's also carries the box's shared layout."""
+    text = f"tensordesc<{short}[{block[0]}, {block[1]}]"
+    return text + (f",{gluon_layout(block, short)!r}>" if gluon else ">")
+
+
 def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[str, str], dict[str, object]]:
     t = _SHORT[spec.in_dtype]
+    gluon = spec.backend == "gluon-hopper"
+    b_cols = cfg.epi_n if gluon else cfg.block_n  # gluon-hopper moves B in subtile-wide boxes
     sig: dict[str, str] = {}
-    for name, mode, block in (("a_src", spec.a_load, (cfg.block_m, cfg.block_k)), ("b_src", spec.b_load, (cfg.block_k, cfg.block_n))):
+    for name, mode, block in (("a_src", spec.a_load, [cfg.block_m, cfg.block_k]), ("b_src", spec.b_load, [cfg.block_k, b_cols])):
         if mode == "ptr":
             sig[name] = f"*{t}"
         else:
-            shape = block if mode == "tma_row" else block[::-1]
-            sig[name] = f"tensordesc<{t}[{shape[0]}, {shape[1]}]>"
-    for name in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"):
+            sig[name] = _desc(t, block if mode == "tma_row" else block[::-1], gluon)
+    for name in ("M", "N", "K") + (() if gluon else ("stride_am", "stride_ak", "stride_bk", "stride_bn")):
         sig[name] = "i32"
     forms = {f.name: f for f in spec.operands}
     for s in graph.operands:
@@ -53,7 +61,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
             sig[names[0]] = "fp32"
             continue
         if s.name in spec.tma_tiles:
-            sig[names[0]] = f"tensordesc<{_SHORT[form.dtype]}[{cfg.block_m}, {int(cfg.epi_n * s.frac_width)}]>"
+            sig[names[0]] = _desc(_SHORT[form.dtype], [cfg.block_m, int(cfg.epi_n * s.frac_width)], gluon)
         else:
             sig[names[0]] = f"*{_SHORT[form.dtype]}"
         for n in names[1:]:
@@ -63,13 +71,18 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
         names = output_args(o)
         if isinstance(o, StoreOutput) and o.name in spec.tma_stores:
             cols = int(cfg.epi_n * graph.node(o.x).frac_width)
-            sig[names[0]] = f"tensordesc<{_SHORT[stores[o.name]]}[{cfg.block_m}, {cols}]>"
+            sig[names[0]] = _desc(_SHORT[stores[o.name]], [cfg.block_m, cols], gluon)
         else:
             sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
         for n in names[1:]:
             sig[n] = "i32"
-    constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                  "GROUP_M": cfg.group_m, "NUM_SMS": 132, "FLATTEN": cfg.flatten, "EPI_N": cfg.epi_n}
+    constexprs: dict[str, object] = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                                     "GROUP_M": cfg.group_m, "NUM_SMS": 132, "EPI_N": cfg.epi_n}
+    if gluon:
+        constexprs.update({"STAGES": cfg.num_stages, "E_STAGES": GLUON_E_STAGES, "A_COL": spec.a_load == "tma_col",
+                           "B_COL": spec.b_load == "tma_col", "CONSUMER_REGS": GLUON_CONSUMER_REGS})
+    else:
+        constexprs["FLATTEN"] = cfg.flatten
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
@@ -80,28 +93,34 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_hopper needs a process started with TRITON_INTERPRET=0")
     if spec.interpret:
         raise ValueError("compile_hopper needs a specialization with interpret=False")
-    if spec.subtile != cfg.subtile:
-        raise ValueError(f"compile_hopper: the specialization has subtile={spec.subtile}, the config {cfg.subtile}")
+    if spec.subtile != cfg.subtile or spec.backend != cfg.backend:
+        raise ValueError(f"compile_hopper: the specialization has subtile={spec.subtile} and backend "
+                         f"{spec.backend}, the config {cfg.subtile} and {cfg.backend}")
     check_config(graph, cfg)
     key = kernel_key(graph, spec)
     path = cache_dir() / "kernels" / f"coda_{key}.py"
     atomic_write(path, seal(generate(graph, spec)))
     module = _import(path, f"coda_aot_{key}")
     sig, constexprs = _signature(graph, spec, cfg)
-    src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    if spec.backend == "gluon-hopper":
+        src = GluonASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)
+        options = {"num_warps": cfg.num_warps, "maxnreg": GLUON_MAXNREG}
+    else:
+        src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     meta = compiled.metadata
     return AotResult(ptx=compiled.asm["ptx"], shared=meta.shared, num_warps=meta.num_warps,
                      registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None))
 
 
-def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
+def hopper_spec(graph: Graph, *, backend: str = "triton", in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
                 operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None,
                 tma_stores: bool = True, tma_tiles: bool = True, wide: bool = False, subtile: int = 1) -> Specialization:
     """A GPU specialization for AOT tests, as the runtime makes one for aligned inputs of moderate
@@ -113,7 +132,7 @@ def hopper_spec(graph: Graph, *, in_dtype: str = "bfloat16", a_load: str = "tma_
         for s in graph.operands
     )
     stores = tuple((o.name, store_dtype or in_dtype) for o in graph.outputs if isinstance(o, StoreOutput))
-    return Specialization(in_dtype=in_dtype, a_load=a_load, b_load=b_load, operands=forms,
+    return Specialization(backend=backend, in_dtype=in_dtype, a_load=a_load, b_load=b_load, operands=forms,
                           store_dtypes=stores, interpret=False,
                           tma_stores=tuple(name for name, _ in stores) if tma_stores else (),
                           tma_tiles=tuple(s.name for s in graph.operands if s.kind == Kind.TILE) if tma_tiles else (),

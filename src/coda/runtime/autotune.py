@@ -31,7 +31,7 @@ from ..ir.nodes import PairNode, StoreOutput
 from ..ir.types import Kind
 from .cache import atomic_write, cache_dir
 from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
-from .config import Config, check_config, default_config, min_block_n, ring_bytes, staging_bytes
+from .config import Config, check_config, default_config, min_block_n, ring_bytes, store_bytes, tile_load_bytes
 
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
 
@@ -48,7 +48,8 @@ class TuneKey(BaseModel):
     gpu: str
     triton: str
     coda: str
-    template: int
+    generator: str  # coda.runtime.fingerprint.GENERATOR
+    backends: tuple[str, ...]  # the backends searched
 
     def filename(self) -> str:
         text = json.dumps(self.model_dump(), sort_keys=True)
@@ -75,8 +76,22 @@ def mode() -> str:
     return value
 
 
-def config_space(in_dtype: str) -> list[Config]:
-    """Round-one Hopper candidates (tile, warps, stages); round two varies the options."""
+def config_space(in_dtype: str, backends: tuple[str, ...] = ("triton",)) -> list[Config]:
+    """Round-one Hopper candidates (tile, warps, stages) of each backend; round two varies the options."""
+    space = _gluon_space() if "gluon-hopper" in backends else []
+    return space + (_triton_space(in_dtype) if "triton" in backends else [])
+
+
+def _gluon_space() -> list[Config]:
+    """gluon-hopper: 128x128 or 64x256 per consumer (two accumulators must fit the registers),
+    ring depth, epilogue subtiles."""
+    tiles = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 128, 64, 3, 4), (128, 128, 64, 5, 1),
+             (64, 256, 64, 4, 4), (128, 64, 64, 4, 2), (128, 64, 64, 6, 1), (128, 128, 128, 3, 1)]
+    return [Config(backend="gluon-hopper", block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=4, num_stages=s,
+                   subtile=sub) for bm, bn, bk, s, sub in tiles]
+
+
+def _triton_space(in_dtype: str) -> list[Config]:
     if in_dtype == "float32":  # IEEE fp32 dot runs on FMA units: small tiles only
         shapes = [(64, 64, 32, 4), (64, 128, 32, 4), (128, 64, 32, 4), (128, 128, 32, 8)]
         stages = (2, 3)
@@ -97,9 +112,10 @@ def option_variants(cfg: Config) -> list[Config]:
     """Round two: the template options (flattened tile loop, TMA stores, epilogue subtiles) on a
     good tile."""
     subtiles = (1, 2) if cfg.block_n >= 128 else (1,)
+    flattens = (False,) if cfg.backend == "gluon-hopper" else (False, True)
     return [
         cfg.model_copy(update={"flatten": f, "tma_store": t, "subtile": sub})
-        for f, t, sub in itertools.product((False, True), (False, True), subtiles)
+        for f, t, sub in itertools.product(flattens, (False, True), subtiles)
         if (f, t, sub) != (cfg.flatten, cfg.tma_store, cfg.subtile)
     ]
 
@@ -125,11 +141,11 @@ def group_variants(cfg: Config, m: int) -> list[Config]:
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
     """Shared memory the kernel needs with every Tile operand loaded and (with tma_store) every
     tile output stored through TMA: the operand ring plus each one's staging tile."""
-    staging = sum(staging_bytes(cfg, s.frac_width, in_size) for s in graph.operands if s.kind == Kind.TILE)
+    staging = sum(tile_load_bytes(cfg, s.frac_width, in_size) for s in graph.operands if s.kind == Kind.TILE)
     if cfg.tma_store:
         for o in graph.outputs:
             if isinstance(o, StoreOutput):
-                staging += staging_bytes(cfg, graph.node(o.x).frac_width, out_size)
+                staging += store_bytes(cfg, graph.node(o.x).frac_width, out_size)
     return ring_bytes(cfg, in_size) + staging
 
 
@@ -143,7 +159,7 @@ def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int,
             cols = cfg.epi_n * graph.node(node.x).frac_width
             if cols < 2 or cols % 2:
                 return f"pairs need an even column count per tile, got {cols}"
-    acc_regs = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    acc_regs = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)  # gluon-hopper: per consumer warpgroup
     if acc_regs > MAX_ACC_REGS:
         return f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS})"
     smem = smem_bytes(graph, cfg, in_size, out_size)
@@ -187,7 +203,7 @@ def measure(fn: Callable[[], object]) -> float:
 
 
 def _label(cfg: Config) -> str:
-    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"{'gluon ' if cfg.backend == 'gluon-hopper' else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}"
             f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}{f' group{cfg.group_m}' if cfg.group_m != 8 else ''}")
 
@@ -244,10 +260,11 @@ def choose(
     graph: Graph, key: TuneKey, in_dtype: str, in_size: int, out_size: int, m: int, n: int, k: int,
     launch: Callable[[Config], object], spills: Callable[[Config], int | None],
 ) -> Config:
-    """The config for this call: cached winner, fresh tuning, or the default (CODA_AUTOTUNE=0)."""
+    """The config for this call: cached winner, fresh tuning over `key.backends`, or the
+    default (CODA_AUTOTUNE=0) of the first of them."""
     setting = mode()
     if setting == "0":
-        return default_config(graph, in_dtype, False, m, n, k)
+        return default_config(graph, in_dtype, False, m, n, k, key.backends[0])
     if setting == "1":
         entry = load_entry(key)
         if entry is not None:
@@ -260,7 +277,7 @@ def choose(
     def keep(cfg: Config) -> bool:
         return prune_reason(graph, cfg, in_size, out_size, m, n) is None
 
-    space = config_space(in_dtype)
+    space = config_space(in_dtype, key.backends)
     if not any(isinstance(o, StoreOutput) for o in graph.outputs):  # nothing to store through TMA
         space = [c.model_copy(update={"tma_store": False}) for c in space]
     configs = [c for c in space if keep(c)]

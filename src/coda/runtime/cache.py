@@ -1,6 +1,6 @@
 """JIT cache: generated kernel source on disk, loaded modules in memory.
 
-A kernel is keyed by (graph hash, specialization, template version, coda version).
+A kernel is keyed by (graph hash, specialization, code-generator fingerprint, coda version).
 Its source is written atomically under `$CODA_CACHE_DIR/kernels` (default
 `~/.cache/coda`); a later process imports the file instead of regenerating it.
 Triton keeps its compiled binaries in its own on-disk cache.
@@ -21,7 +21,7 @@ from types import ModuleType
 from .. import __version__
 from ..codegen import Specialization, generate
 from ..ir.graph import Graph
-from ..templates import TEMPLATE_VERSION
+from .fingerprint import GENERATOR
 
 stats: Counter = Counter()  # "generated", "disk_hits", "memory_hits"
 _modules: dict[str, ModuleType] = {}
@@ -34,7 +34,7 @@ def cache_dir() -> Path:
 
 
 def kernel_key(graph: Graph, spec: Specialization) -> str:
-    text = f"{graph.hash}|{spec.key()}|t{TEMPLATE_VERSION}|coda{__version__}"
+    text = f"{graph.hash}|{spec.key()}|g{GENERATOR}|coda{__version__}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

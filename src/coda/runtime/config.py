@@ -8,9 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.primitives import Backend
 
 
 HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
+
+
+GLUON_E_STAGES = 2  # gluon-hopper: slots of the Tile-operand ring (each one subtile of every TMA Tile operand)
+GLUON_CONSUMERS = 2  # gluon-hopper: consumer warpgroups, each with its own TMA store staging
+GLUON_CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
+GLUON_MAXNREG = 168  # registers per thread at launch: 3 warpgroups share the 64K register file
 
 
 def ring_bytes(cfg: "Config", in_size: int) -> int:
@@ -24,6 +31,19 @@ def staging_bytes(cfg: "Config", width: Fraction, out_size: int) -> int:
     return cfg.block_m * int(cfg.epi_n * width) * out_size
 
 
+def tile_load_bytes(cfg: "Config", width: Fraction, size: int) -> int:
+    """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
+    epilogue loader keeps a ring of GLUON_E_STAGES subtiles."""
+    slots = GLUON_E_STAGES if cfg.backend == "gluon-hopper" else 1
+    return slots * staging_bytes(cfg, width, size)
+
+
+def store_bytes(cfg: "Config", width: Fraction, size: int) -> int:
+    """Shared memory for one TMA-stored tile output: gluon-hopper stages one subtile per consumer."""
+    copies = GLUON_CONSUMERS if cfg.backend == "gluon-hopper" else 1
+    return copies * staging_bytes(cfg, width, size)
+
+
 def _pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 
@@ -32,6 +52,7 @@ class Config(BaseModel):
     """One kernel launch configuration (block sizes must be powers of two)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    backend: Backend = "triton"  # gluon-hopper: warp-specialized (num_warps is then 4: one consumer warpgroup)
     block_m: int = Field(ge=16)
     block_n: int = Field(ge=16)
     block_k: int = Field(ge=16)
@@ -50,6 +71,14 @@ class Config(BaseModel):
                 raise ValueError(f"Config.{name} must be a power of two, got {getattr(self, name)}")
         if self.epi_n < 16:
             raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
+        if self.backend == "gluon-hopper":
+            if self.num_warps != 4 or self.flatten:
+                raise ValueError("Config: gluon-hopper runs one warpgroup per consumer (num_warps=4) and has no "
+                                 "flattened tile loop (flatten=False)")
+            if self.block_m not in (64, 128) or self.epi_n > 256 or self.block_m * self.block_n > 128 * 128:
+                raise ValueError(f"Config: gluon-hopper tiles need block_m 64 or 128, at most 256 columns per "
+                                 f"subtile and block_m * block_n <= 16384 (two accumulators in registers), got "
+                                 f"{self.block_m}x{self.block_n} subtile {self.subtile}")
 
     @property
     def epi_n(self) -> int:
@@ -82,8 +111,11 @@ def _heavy(graph: Graph) -> bool:
     return stores > 1 or len(graph.outputs) > 2 or any(s.kind.value == "tile" for s in graph.operands)
 
 
-def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int) -> Config:
+def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
+                   backend: Backend = "triton") -> Config:
     """A reasonable config without tuning."""
+    if backend == "gluon-hopper":
+        return _gluon_default(graph)
     if interpret:
         block = 16 if max(m, n) <= 64 else 32
         cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
@@ -97,3 +129,20 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
     if cfg.epi_n < need:
         cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
     return cfg
+
+
+def _gluon_default(graph: Graph) -> Config:
+    """128x128 tiles per consumer (a 128-register accumulator each). Epilogues with Tile
+    operands or several outputs run in 32-column subtiles behind a 3-slot ring (the sm_90
+    compiles of the RMSNorm- and SwiGLU-backward epilogues spill, or overflow shared memory,
+    with wider subtiles), pair transforms in 64-column ones. Wider reduction groups take
+    64-row tiles."""
+    need = min_block_n(graph)
+    heavy = graph.uses_width(Fraction(2)) or _heavy(graph)
+    subtile, stages = (4, 3) if heavy else (2, 4) if graph.uses_width(Fraction(1, 2)) else (1, 4)
+    while subtile > 1 and 128 // subtile < need:
+        subtile //= 2
+    block_n = max(128, need * subtile)
+    block_m = 128 if block_n <= 128 else 64
+    return Config(backend="gluon-hopper", block_m=block_m, block_n=block_n, block_k=64, num_warps=4,
+                  num_stages=stages, subtile=subtile)

@@ -8,38 +8,51 @@ from dataclasses import dataclass
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..codegen import Specialization, operand_args, output_args
 from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
-from .config import Config
+from .config import GLUON_CONSUMER_REGS, GLUON_E_STAGES, GLUON_MAXNREG, Config
+from .tma import SHORT_DTYPES, gluon_layout
 from .validate import Call
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """A TMA descriptor's fixed part (shape, strides, box). The plan key fixes every tensor's
-    shape, strides, dtype and alignment, so a call only binds its tensor: Triton's
-    `TensorDescriptor` checks would re-verify per call what planning verified once."""
+    """A TMA descriptor's fixed part (shape, strides, box; for Gluon also its shared layout).
+    The plan key fixes every tensor's shape, strides, dtype and alignment, so a call only binds
+    its tensor: the descriptor classes' checks would re-verify per call what planning verified."""
 
     shape: list[int]
     strides: list[int]
     block: list[int]
+    shared: object = None  # gluon-hopper: the NVMMA shared layout the kernel allocates with
 
-    def bind(self, t: torch.Tensor) -> TensorDescriptor:
-        d = object.__new__(TensorDescriptor)
+    def bind(self, t: torch.Tensor) -> object:
+        if self.shared is None:
+            d = object.__new__(TensorDescriptor)
+        else:
+            d = object.__new__(GluonTensorDescriptor)
+            d.layout = self.shared
         d.base, d.shape, d.strides, d.block_shape, d.padding = t, self.shape, self.strides, self.block, "zero"
         return d
 
 
-def _operand_layout(t: torch.Tensor, mode: str, block_rows: int, block_cols: int) -> _Layout | None:
+def _layout(shape: list[int], strides: list[int], block: list[int], dtype: torch.dtype, gluon: bool) -> _Layout:
+    shared = gluon_layout(block, SHORT_DTYPES[dtype]) if gluon else None
+    return _Layout(shape, strides, block, shared)
+
+
+def _operand_layout(t: torch.Tensor, mode: str, block_rows: int, block_cols: int, gluon: bool = False) -> _Layout | None:
     """How the template reads a GEMM operand: row-major TMA, TMA of its transpose (base is the
     same memory), or pointers (None)."""
     if mode == "tma_row":
-        return _Layout([t.shape[0], t.shape[1]], [t.stride(0), 1], [block_rows, block_cols])
+        return _layout([t.shape[0], t.shape[1]], [t.stride(0), 1], [block_rows, block_cols], t.dtype, gluon)
     if mode == "tma_col":
-        return _Layout([t.shape[1], t.shape[0]], [t.stride(1), 1], [block_cols, block_rows])
+        return _layout([t.shape[1], t.shape[0]], [t.stride(1), 1], [block_cols, block_rows], t.dtype, gluon)
     return None
 
 
@@ -110,14 +123,25 @@ class Plan:
         graph, m, n, k = call.graph, call.m, call.n, call.k
         tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // cfg.block_n)
         grid = (min(programs, tiles_m * tiles_n),)
-        static = {
+        gluon = spec.backend == "gluon-hopper"
+        static: dict[str, object] = {
             "M": m, "N": n, "K": k,
-            "stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
-            "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            "GROUP_M": cfg.group_m, "NUM_SMS": grid[0], "FLATTEN": cfg.flatten, "EPI_N": cfg.epi_n,
-            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "GROUP_M": cfg.group_m, "NUM_SMS": grid[0], "EPI_N": cfg.epi_n, "num_warps": cfg.num_warps,
         }
+        if gluon:
+            static.update({"STAGES": cfg.num_stages, "E_STAGES": GLUON_E_STAGES, "A_COL": spec.a_load == "tma_col",
+                           "B_COL": spec.b_load == "tma_col", "CONSUMER_REGS": GLUON_CONSUMER_REGS,
+                           "maxnreg": GLUON_MAXNREG})
+            # B moves in EPI_N-column boxes, one per epilogue subtile.
+            layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k, True)
+            layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.epi_n, True)
+        else:
+            static.update({"stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
+                           "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),
+                           "FLATTEN": cfg.flatten, "num_stages": cfg.num_stages})
+            layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k)
+            layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n)
         forms = {f.name: f for f in spec.operands}
         operands = []
         for s in graph.operands:
@@ -127,7 +151,7 @@ class Plan:
             if s.kind == Kind.TILE:
                 static[names[1]], static[names[2]] = v.stride(0), v.stride(1)
                 if s.name in spec.tma_tiles:
-                    layout = _operand_layout(v, "tma_row", cfg.block_m, int(cfg.epi_n * s.frac_width))
+                    layout = _operand_layout(v, "tma_row", cfg.block_m, int(cfg.epi_n * s.frac_width), gluon)
             elif s.kind != Kind.SCALAR:
                 static[names[1]] = v.stride(0)
             operands.append((s.name, names[0], forms[s.name].dtype is None and s.kind == Kind.SCALAR, layout))
@@ -139,7 +163,7 @@ class Plan:
                 strides = _out_strides(call, o.name, shape)
                 static[names[1]], static[names[2]] = strides
                 width = graph.node(o.x).frac_width
-                layout = (_Layout(list(shape), strides, [cfg.block_m, int(cfg.epi_n * width)])
+                layout = (_layout(list(shape), strides, [cfg.block_m, int(cfg.epi_n * width)], call.out_dtype(o), gluon)
                           if o.name in spec.tma_stores else None)
                 outs.append(_Out(o, names, shape, call.out_dtype(o), layout=layout))
             elif o.group is not None:
@@ -149,8 +173,7 @@ class Plan:
                 part = (m, tiles_n * cfg.subtile) if o.axis == "n" else (tiles_m, shape[0])
                 outs.append(_Out(o, names, shape, torch.float32, partial=part))
         return cls(kernel=kernel, spec=spec, single=graph.outputs[0].name if graph.single else None, static=static,
-                   layout_a=_operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k),
-                   layout_b=_operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n),
+                   layout_a=layout_a, layout_b=layout_b,
                    operands=operands, outs=outs, grid=grid)
 
     def execute(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict) -> tuple[object, object]:
@@ -175,16 +198,8 @@ class Plan:
             else:
                 args[o.names[0]] = o.layout.bind(t) if o.layout else t
         compiled = self._launch(args)
-        for r, partial in finalize:
-            dst = results[r.name]
-            if r.axis == "m":
-                torch.sum(partial, dim=0, out=dst)
-            elif r.op == "sum":
-                torch.sum(partial, dim=1, out=dst)
-            elif r.op == "max":
-                torch.amax(partial, dim=1, out=dst)
-            else:
-                torch.logsumexp(partial, dim=1, out=dst)
+        for r, partial in finalize:  # per-tile partials: [M, tiles] over N, [tiles, N] over M
+            REDUCTIONS[r.op].finalize(partial, 0 if r.axis == "m" else 1, results[r.name])
         if self.single is not None:
             return results[self.single], compiled
         return results, compiled

@@ -1,5 +1,33 @@
-"""coda.templates: kernel template text (plain strings with named hooks)."""
+"""coda.templates: kernel template text (plain strings with named hooks), one module a backend.
 
+CONTRACT below is the emitter-template contract both templates keep; codegen fills the hooks.
+"""
+
+from .gluon_hopper import EPILOGUE_LOADER, GLUON_HOPPER_GEMM
+from .gluon_hopper import TEMPLATE_VERSION as GLUON_TEMPLATE_VERSION
 from .persistent_gemm import PERSISTENT_GEMM, TEMPLATE_VERSION, fill, hooks
 
-__all__ = ["PERSISTENT_GEMM", "TEMPLATE_VERSION", "fill", "hooks"]
+CONTRACT = """\
+Names the generated epilogue may use, in both templates (per tile unless said otherwise):
+  pid_m, pid_n, off_m     the tile's coordinates and first row
+  offs_m, mask_m, rows    its row indices, row mask, row offsets (int64 when the spec is wide)
+  num_pid_n               tiles along N (per-tile partial columns: num_pid_n * subtiles)
+per epilogue subtile (codegen repeats the epilogue block once per subtile):
+  epi_acc                 the fp32 accumulator of this subtile, [BLOCK_M, EPI_N]
+  off_n, offs_n, mask_n   its first column, column indices, column mask
+  part_n                  its partial column (reductions over N without group=)
+  EPI_N, BLOCK_M          constexprs
+Argument names: coda.codegen.spec.operand_args / output_args (in_<operand>..., out_<output>...).
+Hooks every template declares: kernel_name, epilogue_name, graph_hash, args, rows, row_loads, epilogue.
+gluon-hopper adds, inside a consumer partition: CID (0 or 1), local (the tile's position in the
+program's tile order), EPI / ROWS / COLS (the epilogue's blocked layout and its row/column
+slices: every epilogue value lives in EPI or a slice of it), e_slot (the Tile-operand ring slot
+of this subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
+(per-consumer TMA staging buffers, [2, BLOCK_M, cols]); its extra hooks are consumer_params,
+consumer_args, alloc, acc_init, mma, mma_drain, epilogue_loader, epilogue_loader_partition,
+epilogue_loader_warps, epilogue_loader_regs (and loader_params, loader_bytes, loader_copies in
+EPILOGUE_LOADER).
+"""
+
+__all__ = ["CONTRACT", "EPILOGUE_LOADER", "GLUON_HOPPER_GEMM", "GLUON_TEMPLATE_VERSION", "PERSISTENT_GEMM",
+           "TEMPLATE_VERSION", "fill", "hooks"]

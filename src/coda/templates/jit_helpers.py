@@ -59,3 +59,9 @@ def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + (tile_id % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _sigmoid(x):
+    # As triton.language.sigmoid, as a function both dialects can import (Gluon has none).
+    return 1.0 / (1.0 + tl.exp(-x))

@@ -20,7 +20,7 @@ PERSISTENT_GEMM = '''\
 import triton
 import triton.language as tl
 
-from coda.templates.jit_helpers import _bf16_rne, _tanh, _tile_coords, _trig  # noqa: F401
+from coda.templates.jit_helpers import _bf16_rne, _sigmoid, _tanh, _tile_coords, _trig  # noqa: F401
 
 
 @triton.jit

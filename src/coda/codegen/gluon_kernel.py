@@ -1,0 +1,118 @@
+"""The gluon-hopper backend: fill the warp-specialized template's hooks for (graph, specialization).
+
+The epilogue body is the shared emitter's, in the Gluon dialect. What this module adds is the
+backend's own plumbing: per-subtile accumulators and their wgmma calls, the Tile-operand ring
+(slot waits and releases around the epilogue's loads), staging buffers for TMA stores, and the
+partition list.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from ..ir.graph import Graph
+from ..ir.types import Kind
+from ..templates import EPILOGUE_LOADER, GLUON_HOPPER_GEMM, fill
+from .epilogue import EpilogueEmitter, col_start
+from .names import kernel_args, kernel_name, partials_n
+from .spec import Specialization
+
+
+def unsupported(graph: Graph, spec: Specialization) -> str | None:
+    """Why this backend cannot run (graph, spec), or None when it can."""
+    if spec.interpret:
+        return "Gluon kernels do not run under Triton's interpreter"
+    if spec.in_dtype == "float32":
+        return "fp32 operands take IEEE fp32 dot products, which wgmma does not do"
+    for name, mode in (("a", spec.a_load), ("b", spec.b_load)):
+        if mode == "ptr":
+            return f"{name} cannot be read by TMA (it needs a unit stride, 16-byte aligned base and row pitch)"
+    return None
+
+
+def _tuple(names: list[str]) -> str:
+    return f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
+
+
+def generate(graph: Graph, spec: Specialization) -> str:
+    """Gluon source of a warp-specialized kernel computing graph(a @ b); binds `coda_kernel`."""
+    reason = unsupported(graph, spec)
+    if reason is not None:
+        raise ValueError(f"gluon-hopper backend: {reason}")
+    emitter = EpilogueEmitter(graph, spec)
+    emitter.emit_values()
+    stores = emitter.emit_stores()
+    reductions = emitter.emit_reductions()
+    columns = emitter.emit_columns()
+
+    args = kernel_args(graph, spec)
+    widths = {s.name: s.frac_width for s in graph.operands}
+    tiles = [s.name for s in graph.operands if s.kind == Kind.TILE and s.name in spec.tma_tiles]
+    stages = [name for name in spec.tma_stores]
+    extra = [f"stage_{n}" for n in stages] + [f"ering_{n}" for n in tiles] + (["e_ready", "e_empty"] if tiles else [])
+    consumer = args + extra
+
+    alloc = [f"stage_{n} = gl.allocate_shared_memory(out_{n}_ptr.dtype, [2] + out_{n}_ptr.block_type.shape, "
+             f"out_{n}_ptr.layout)" for n in stages]
+    alloc += [f"ering_{n} = gl.allocate_shared_memory(in_{n}_ptr.dtype, [E_STAGES] + in_{n}_ptr.block_type.shape, "
+              f"in_{n}_ptr.layout)" for n in tiles]
+    if tiles:
+        alloc += ["e_ready = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())",
+                  "e_empty = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())",
+                  "for i in gl.static_range(E_STAGES):",
+                  "    mbarrier.init(e_ready.index(i), count=1)",
+                  "    mbarrier.init(e_empty.index(i), count=1)"]
+
+    sub = spec.subtile
+    accs = [f"acc_{h}" for h in range(sub)]
+    b_view = "b_bufs.index(s * SUBTILE + {h}).permute((1, 0))" if spec.b_load == "tma_col" else "b_bufs.index(s * SUBTILE + {h})"
+    mma = [f"acc_{h} = warpgroup_mma(a, {b_view.format(h=h)}, acc_{h}, is_async=True)" for h in range(sub)]
+    mma.append(f"{', '.join(accs)} = warpgroup_mma_wait(num_outstanding={sub}, deps={_tuple(accs)})")
+
+    epilogue: list[str] = []
+    for h in range(sub):
+        epilogue += [f"epi_acc = gl.convert_layout(acc_{h}, EPI)",
+                     "off_n = pid_n * BLOCK_N" + (f" + {h} * EPI_N" if h else ""),
+                     "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
+        if partials_n(graph):
+            epilogue.append(f"part_n = pid_n * {sub} + {h}")
+        epilogue += columns
+        if tiles:  # this subtile's slot of the Tile-operand ring
+            epilogue += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",
+                         "mbarrier.wait(e_ready.index(e_slot), (e_count // E_STAGES) & 1)"]
+        epilogue += emitter.loads
+        if tiles:  # the values are in registers: the slot goes back to the epilogue loader
+            epilogue += ["fence_async_shared()", "mbarrier.arrive(e_empty.index(e_slot), count=1)"]
+        epilogue += emitter.body + stores + reductions
+
+    loader, partition, warps, regs = "# (no Tile operand is read through TMA)", "# (no epilogue loader)", "", ""
+    if tiles:
+        params = [f"in_{n}_ptr" for n in tiles] + [f"ering_{n}" for n in tiles]
+        copies = [f"tma.async_copy_global_to_shared(in_{n}_ptr, [off_m, {col_start(Fraction(widths[n]))}], bar, "
+                  f"ering_{n}.index(e_slot))" for n in tiles]
+        loader = fill({"loader_params": "".join(f"{p}, " for p in params),
+                       "loader_bytes": " + ".join(f"in_{n}_ptr.block_type.nbytes" for n in tiles),
+                       "loader_copies": "\n".join(copies)}, EPILOGUE_LOADER)
+        partition = (f"(_epilogue_loader, ({''.join(f'{p}, ' for p in params)}e_ready, e_empty, M, N, BLOCK_M, "
+                     "BLOCK_N, GROUP_M, NUM_SMS, EPI_N, E_STAGES)),")
+        warps, regs = ", 1", ", 40"
+
+    return fill({
+        "kernel_name": kernel_name(graph),
+        "epilogue_name": graph.name,
+        "graph_hash": graph.hash,
+        "args": "\n".join(f"{a}," for a in args),
+        "consumer_params": "\n".join(f"{a}," for a in consumer),
+        "consumer_args": "".join(f"{a}, " for a in consumer),
+        "alloc": "\n".join(alloc),
+        "acc_init": "\n".join(f"{acc} = gl.zeros((BLOCK_M, EPI_N), gl.float32, MMA)" for acc in accs),
+        "mma": "\n".join(mma),
+        "mma_drain": f"{', '.join(accs)} = warpgroup_mma_wait(num_outstanding=0, deps={_tuple(accs)})",
+        "rows": "rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m",
+        "row_loads": "\n".join(emitter.row_loads),
+        "epilogue": "\n".join(epilogue),
+        "epilogue_loader": loader,
+        "epilogue_loader_partition": partition,
+        "epilogue_loader_warps": warps,
+        "epilogue_loader_regs": regs,
+    }, GLUON_HOPPER_GEMM)

@@ -1,0 +1,107 @@
+"""Which backend and config a call runs with: tuned (both backends, epilogue fused in), cached,
+or the default; and why a call that could not take gluon-hopper runs Triton instead."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import torch
+import triton
+
+from .. import __version__
+from ..codegen import unsupported
+from ..ir.primitives import BACKENDS
+from . import autotune
+from .config import Config, default_config
+from .device import device_name
+from .fingerprint import GENERATOR
+from .specialize import make_spec, spec_fields
+from .validate import Call
+
+log = logging.getLogger("coda")
+
+
+def backend_setting() -> str:
+    """CODA_BACKEND: `auto` (default: gluon-hopper on sm_90 where it can run the program, else
+    triton), `triton`, or `gluon-hopper` (an error where it cannot run the program)."""
+    value = os.environ.get("CODA_BACKEND", "auto").strip().lower()
+    if value not in ("auto",) + BACKENDS:
+        raise ValueError(f"CODA_BACKEND must be auto, triton or gluon-hopper, got {value!r}")
+    return value
+
+
+def gluon_reason(call: Call, interpret: bool) -> str | None:
+    """Why gluon-hopper cannot run this call (None: it can)."""
+    if interpret:
+        return "Gluon kernels do not run under Triton's interpreter"
+    major, minor = torch.cuda.get_device_capability(call.a.device)
+    if (major, minor) != (9, 0):
+        return f"the GPU is sm_{major}{minor}; gluon-hopper is for sm_90"
+    try:
+        cfg = default_config(call.graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper")
+    except ValueError as exc:
+        return str(exc)
+    return unsupported(call.graph, make_spec(spec_fields(call, False, cfg)))
+
+
+def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
+    """The backends this call may run on, preferred first; says (debug log) why not Gluon."""
+    setting = backend_setting()
+    if setting == "triton" or interpret:
+        return ("triton",)
+    reason = gluon_reason(call, interpret)
+    if reason is None:
+        return ("gluon-hopper",) if setting == "gluon-hopper" else ("gluon-hopper", "triton")
+    if setting == "gluon-hopper":
+        raise ValueError(f"coda.gemm: CODA_BACKEND=gluon-hopper cannot run {call.graph.name}: {reason}")
+    log.debug("coda: %s runs on the triton backend: %s", call.graph.name, reason)
+    return ("triton",)
+
+
+# (graph hash, M bucket, N, K, specialization fields, mode, backends) -> chosen config, for this process.
+_chosen: dict[tuple, Config] = {}
+
+
+def _memo(call: Call, fields: tuple, backends: tuple[str, ...]) -> tuple:
+    """The in-process key of a config choice: the tuning key's parts, before any hashing."""
+    return (call.graph.hash, autotune.m_bucket(call.m), call.n, call.k, fields, autotune.mode(), backends)
+
+
+def pick_config(call: Call, interpret: bool, launch) -> Config:
+    """The config for a validated call; `launch(call, cfg)` runs one (the tuner's benchmark)."""
+    graph, m, n, k = call.graph, call.m, call.n, call.k
+    if interpret:
+        return default_config(graph, call.in_dtype, True, m, n, k)
+    backends = backends_for(call, interpret)
+    fields = spec_fields(call, interpret)
+    memo = _memo(call, fields, backends)
+    cfg = _chosen.get(memo)
+    if cfg is not None:
+        return cfg
+    key = autotune.TuneKey(
+        graph=graph.hash, m_bucket=autotune.m_bucket(m), n=n, k=k, spec=make_spec(fields).key(),
+        gpu=device_name(call.a.device), triton=triton.__version__, coda=__version__, generator=GENERATOR,
+        backends=backends,
+    )
+    # Tuning runs the fused kernel on the caller's inputs into scratch outputs of the same
+    # dtypes, so out= tensors (possibly aliasing operands) are never touched.
+    scratch = replace(call, out={name: torch.empty_like(t) for name, t in call.out.items()})
+    compiled: dict[Config, object] = {}
+
+    def run(c: Config) -> None:
+        compiled[c] = launch(scratch, c)
+
+    def spills(c: Config) -> int | None:
+        return getattr(compiled.get(c), "n_spills", None)
+
+    size = call.a.element_size()
+    cfg = _chosen[memo] = autotune.choose(graph, key, call.in_dtype, size, size, m, n, k, run, spills)
+    return cfg
+
+
+def chosen_config(call: Call, interpret: bool) -> Config | None:
+    """The config this process chose for such a call (after one has run), or None."""
+    backends = backends_for(call, interpret)
+    return _chosen.get(_memo(call, spec_fields(call, interpret), backends))

@@ -1,0 +1,77 @@
+"""A call's specialization (backend, dtypes, layouts, what moves through TMA) and its kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from ..codegen import OperandForm, Specialization
+from ..ir.nodes import StoreOutput
+from ..ir.types import Kind
+from . import tma
+from .cache import load_kernel, stats
+from .config import HOPPER_SMEM_BYTES, Config, ring_bytes, store_bytes, tile_load_bytes
+from .validate import IN_DTYPES, Call
+
+
+def _wide(call: Call) -> bool:
+    """Whether row offsets need int64: some tensor the epilogue indexes spans >= 2**31 elements."""
+    tensors = [t for t in call.operands.values() if isinstance(t, torch.Tensor)] + list(call.out.values())
+    spans = [sum((n - 1) * s for n, s in zip(t.shape, t.stride())) for t in tensors if t.numel()]
+    outputs = [call.m * max(call.n, 1) * 2]  # outputs gemm allocates: [M, width*N], width <= 2
+    return max(spans + outputs, default=0) >= 2**31 - 1
+
+
+def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:
+    """The specialization as a plain tuple (a cheap per-call cache key)."""
+    stores = [(o.name, IN_DTYPES[call.out_dtype(o)]) for o in call.graph.outputs if isinstance(o, StoreOutput)]
+    tiles, tma_stores = [], []
+    if cfg is not None:
+        # Every TMA Tile load and TMA store stages tiles in shared memory beside the operand
+        # ring: Tile loads first, then stores, each while it fits, so that no config fails for
+        # want of shared memory because of them (the rest use pointers).
+        free = HOPPER_SMEM_BYTES - ring_bytes(cfg, call.a.element_size())
+        for s in call.graph.operands:
+            if s.kind == Kind.TILE and tma.tile_ok(call, s.name, cfg):
+                need = tile_load_bytes(cfg, s.frac_width, call.operands[s.name].element_size())
+                if need <= free:
+                    free -= need
+                    tiles.append(s.name)
+        for o in call.graph.outputs:
+            if isinstance(o, StoreOutput) and cfg.tma_store and tma.store_ok(call, o, cfg):
+                need = store_bytes(cfg, call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize)
+                if need <= free:
+                    free -= need
+                    tma_stores.append(o.name)
+    forms = tuple((f.name, f.dtype) for f in call.forms)
+    backend = "triton" if cfg is None else cfg.backend
+    return (backend, call.in_dtype, tma.operand_load(call.a), tma.operand_load(call.b), forms, tuple(stores),
+            interpret, tuple(tma_stores), tuple(tiles), _wide(call), 1 if cfg is None else cfg.subtile)
+
+
+def make_spec(fields: tuple) -> Specialization:
+    backend, in_dtype, a_load, b_load, forms, stores, interpret, tma_stores, tiles, wide, subtile = fields
+    return Specialization(
+        backend=backend, in_dtype=in_dtype, a_load=a_load, b_load=b_load,
+        operands=tuple(OperandForm(name=n, dtype=d) for n, d in forms),
+        store_dtypes=stores, interpret=interpret, tma_stores=tma_stores, tma_tiles=tiles, wide=wide, subtile=subtile,
+    )
+
+
+def specialize(call: Call, interpret: bool, cfg: Config | None = None) -> Specialization:
+    return make_spec(spec_fields(call, interpret, cfg))
+
+
+# (graph hash, specialization fields) -> (spec, kernel): the per-call lookup stays a
+# tuple hash, so launch overhead does not grow with pydantic validation or hashing.
+_kernels: dict[tuple, tuple[Specialization, object]] = {}
+
+
+def kernel_for(call: Call, interpret: bool, cfg: Config) -> tuple[Specialization, object]:
+    key = (call.graph.hash, spec_fields(call, interpret, cfg))
+    hit = _kernels.get(key)
+    if hit is not None:
+        stats["memory_hits"] += 1
+        return hit
+    spec = make_spec(key[1])
+    hit = _kernels[key] = (spec, load_kernel(call.graph, spec))
+    return hit

@@ -1,0 +1,66 @@
+"""When a tensor can move through TMA, and the shared-memory layouts Gluon's descriptors use."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.nodes import StoreOutput
+from .config import Config
+from .validate import Call
+
+
+def tma_ok(t: torch.Tensor, major: int) -> bool:
+    """TMA needs a unit stride on the `major`-th dim, a 16-byte aligned base and other stride."""
+    other = 1 - major
+    size = t.element_size()
+    return (
+        t.stride(major) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(other) * size) % 16 == 0
+        and t.shape[major] * size >= 16
+    )
+
+
+def operand_load(t: torch.Tensor) -> str:
+    """How a template reads a [rows, cols] GEMM operand: TMA row/col-major or pointers."""
+    if tma_ok(t, 1):
+        return "tma_row"
+    if tma_ok(t, 0):
+        return "tma_col"
+    return "ptr"
+
+
+def box_ok(cfg: Config, cols: object, itemsize: int) -> bool:
+    """A [BLOCK_M, cols] TMA box: at most 256 per dim and at least 16 bytes per row."""
+    return cols <= 256 and cfg.block_m <= 256 and cols * itemsize >= 16
+
+
+def store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
+    """A TMA store needs an aligned row-major target and a legal box."""
+    if not box_ok(cfg, cfg.epi_n * call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize):
+        return False
+    t = call.out.get(o.name)
+    if t is None:  # gemm() allocates it row-major; only the row pitch can break alignment
+        row_bytes = call.output_shape(o)[1] * call.out_dtype(o).itemsize
+        return row_bytes % 16 == 0
+    return tma_ok(t, 1)
+
+
+def tile_ok(call: Call, name: str, cfg: Config) -> bool:
+    spec = next(s for s in call.graph.operands if s.name == name)
+    t = call.operands[name]
+    return t.dtype != torch.bool and box_ok(cfg, cfg.epi_n * spec.frac_width, t.element_size()) and tma_ok(t, 1)
+
+
+# Triton's short dtype names (kernel signatures) for torch dtypes, and Gluon's dtype names for them.
+SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
+                torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+_GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i8": "int8", "i16": "int16",
+              "i32": "int32", "i64": "int64", "u8": "uint8"}
+
+
+def gluon_layout(block: list[int], short_dtype: str) -> object:
+    """The NVMMA shared layout of a Gluon TMA box (what the kernel's buffers are allocated with)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[short_dtype]))

@@ -132,7 +132,8 @@ def bench_linear_ce(m: int, d: int, v: int) -> None:
     variants("linear_ce", shape, impls, lambda _: (x, w), ref, refg, None)
 
 
-def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
+def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
+    """The block's inputs, implementations and fp32 checks (shared with bench/block_kernels.py)."""
     hd = d // heads
 
     def p(*shape, s=1.0):
@@ -164,11 +165,6 @@ def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
         x2, qkv = block_segment(attn, x0, pos, nw)
         return torch.cat([x2, qkv_to_standard(qkv, nw) if standard_qkv else qkv], -1)
 
-    def native_error(_result) -> float:
-        out, *grads = fwd_bwd(lambda: ours_native(True), native_params, go)()
-        weights = NativeBlockWeights(*grads[2:], n_heads=heads, n_kv_heads=kv).to_standard().tensors()
-        return max_err((out, *grads[:2], *weights), (ref, *refg))
-
     def f32(*leaves):
         a, x, *ws = leaves
         w32 = BlockWeights(*ws, n_heads=heads, n_kv_heads=kv)
@@ -177,20 +173,34 @@ def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
 
     go = rand(m, d + n_qkv)
     ref, refg = fp32_reference(f32, params, go)
-    shape = (m, d, f)
-    fwd = [(m, d, heads * hd), (m, 2 * f, d), (m, d, f), (m, n_qkv, d)]
-    bwd = [(m, d, n_qkv), (n_qkv, d, m), (m, f, d), (d, f, m), (m, d, 2 * f), (2 * f, d, m), (m, heads * hd, d),
-           (d, heads * hd, m)]
-    gemms_sum("block_fwd", shape, fwd)
-    gemms_sum("block_fwdbwd", shape, fwd + bwd)
+
+    def native_error(_result) -> float:
+        out, *grads = fwd_bwd(lambda: ours_native(True), native_params, go)()
+        weights = NativeBlockWeights(*grads[2:], n_heads=heads, n_kv_heads=kv).to_standard().tensors()
+        return max_err((out, *grads[:2], *weights), (ref, *refg))
+
     impls = {"eager": eager, "coda": ours}
     lg = _liger()
     seq = min(m, 4096)  # pos restarts every 4096 rows: rows are (batch, seq) for Liger's RoPE
     if lg is not None and m % seq == 0:
         impls["liger"] = lambda: torch.cat(liger_block_segment(lg, attn, x0, w, seq), -1)
-    variants("block", shape, impls, lambda _: params, ref, refg, go)
-    record("block_fwd", shape, "coda_native_layout", ours_native, lambda _r: rel_err(ours_native(True), ref))
-    record("block_fwdbwd", shape, "coda_native_layout", fwd_bwd(ours_native, native_params, go), native_error)
+    fwd = [(m, d, heads * hd), (m, 2 * f, d), (m, d, f), (m, n_qkv, d)]
+    bwd = [(m, d, n_qkv), (n_qkv, d, m), (m, f, d), (d, f, m), (m, d, 2 * f), (2 * f, d, m), (m, heads * hd, d),
+           (d, heads * hd, m)]
+    return {"impls": impls, "params": params, "ref": ref, "refg": refg, "go": go, "ours_native": ours_native,
+            "native_params": native_params, "native_error": native_error, "fwd": fwd, "bwd": bwd}
+
+
+def bench_block(m: int, d: int, f: int) -> None:
+    c = block_case(m, d, f)
+    shape = (m, d, f)
+    gemms_sum("block_fwd", shape, c["fwd"])
+    gemms_sum("block_fwdbwd", shape, c["fwd"] + c["bwd"])
+    variants("block", shape, c["impls"], lambda _: c["params"], c["ref"], c["refg"], c["go"])
+    ref = c["ref"]
+    record("block_fwd", shape, "coda_native_layout", c["ours_native"], lambda _r: rel_err(c["ours_native"](True), ref))
+    record("block_fwdbwd", shape, "coda_native_layout", fwd_bwd(c["ours_native"], c["native_params"], c["go"]),
+           c["native_error"])
 
 
 def liger_block_segment(lg, attn_out: torch.Tensor, x0: torch.Tensor, w: BlockWeights, seq: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..ir.graph import Graph
+from ..ir.nodes import InterleaveNode, PairNode, ReduceOutput
 from ..ir.types import Kind
 from ..templates import EPILOGUE_LOADER, GLUON_HOPPER_GEMM, fill
 from .epilogue import EpilogueEmitter, col_start
@@ -28,6 +29,17 @@ def unsupported(graph: Graph, spec: Specialization) -> str | None:
         if mode == "ptr":
             return f"{name} cannot be read by TMA (it needs a unit stride, 16-byte aligned base and row pitch)"
     return None
+
+
+def reshapes(graph: Graph) -> bool:
+    """Whether the epilogue reshapes tiles (pairs, interleave, grouped reductions). Those run in a
+    blocked layout (reshapes of a blocked layout stay cheap); every other epilogue runs in the
+    accumulator's own wgmma layout, with no layout conversion at all."""
+    return any(isinstance(n, (PairNode, InterleaveNode)) for n in graph.nodes) or any(
+        isinstance(o, ReduceOutput) and o.group is not None for o in graph.outputs)
+
+
+_BLOCKED = "gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])"
 
 
 def _tuple(names: list[str]) -> str:
@@ -71,7 +83,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     epilogue: list[str] = []
     for h in range(sub):
-        epilogue += [f"epi_acc = gl.convert_layout(acc_{h}, EPI)",
+        epilogue += [f"epi_acc = gl.convert_layout(acc_{h}, EPI)" if reshapes(graph) else f"epi_acc = acc_{h}",
                      "off_n = pid_n * BLOCK_N" + (f" + {h} * EPI_N" if h else ""),
                      "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
         if partials_n(graph):
@@ -100,6 +112,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
     return fill({
         "kernel_name": kernel_name(graph),
         "epilogue_name": graph.name,
+        "epi_layout": _BLOCKED if reshapes(graph) else "MMA",
         "graph_hash": graph.hash,
         "args": "\n".join(f"{a}," for a in args),
         "consumer_params": "\n".join(f"{a}," for a in consumer),

@@ -12,7 +12,10 @@ import triton
 
 from .. import __version__
 from ..codegen import unsupported
+from ..codegen.gluon_kernel import reshapes
+from ..ir.graph import Graph
 from ..ir.primitives import BACKENDS
+from ..ir.types import Kind
 from . import autotune
 from .config import Config, default_config
 from .device import device_name
@@ -46,6 +49,14 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
     return unsupported(call.graph, make_spec(spec_fields(call, False, cfg)))
 
 
+def gluon_first(graph: Graph) -> bool:
+    """Whether gluon-hopper is preferred without tuning (CODA_AUTOTUNE=0 runs the first backend;
+    tuning times both). Measured on the H200 (bench/results/block_kernels.md): it beats cuBLAS on
+    plain GEMMs and light epilogues, and loses to Triton where the epilogue reads Tile operands or
+    reshapes tiles (pairs, interleave, grouped reductions)."""
+    return not reshapes(graph) and not any(s.kind == Kind.TILE for s in graph.operands)
+
+
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
     """The backends this call may run on, preferred first; says (debug log) why not Gluon."""
     setting = backend_setting()
@@ -53,7 +64,9 @@ def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
         return ("triton",)
     reason = gluon_reason(call, interpret)
     if reason is None:
-        return ("gluon-hopper",) if setting == "gluon-hopper" else ("gluon-hopper", "triton")
+        if setting == "gluon-hopper":
+            return ("gluon-hopper",)
+        return ("gluon-hopper", "triton") if gluon_first(call.graph) else ("triton", "gluon-hopper")
     if setting == "gluon-hopper":
         raise ValueError(f"coda.gemm: CODA_BACKEND=gluon-hopper cannot run {call.graph.name}: {reason}")
     log.debug("coda: %s runs on the triton backend: %s", call.graph.name, reason)

@@ -123,5 +123,6 @@ def source(graph: Graph, a: object, b: object, operands: Mapping[str, object], o
     call = validate(graph, a, b, operands, out, interpret)
     backend = choose.backends_for(call, interpret)[0]
     cfg = default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k, backend)
-    why = "" if backend == "gluon-hopper" else f": {choose.gluon_reason(call, interpret)}"
+    reason = choose.gluon_reason(call, interpret)
+    why = "" if backend == "gluon-hopper" else f": {reason or 'measured faster for this kind of epilogue'}"
     return f"# coda backend: {backend}{why}\n" + generate(graph, specialize(call, interpret, cfg))

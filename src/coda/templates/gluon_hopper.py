@@ -6,9 +6,14 @@ Roles, one persistent program per SM:
 * `_epilogue_loader` (1 warp, only when the epilogue reads Tile operands through TMA)
   prefetches each epilogue subtile's Tile operands into a ring of E_STAGES slots.
 * Two consumer warpgroups (`_consumer`, CID 0 and 1) take alternate tiles. Each runs its own
-  wgmma K loop into per-subtile accumulators, then the generated epilogue. The consumers
-  read the operand ring in the loader's order, so one consumer's K loop runs while the other
-  runs its epilogue (the ping-pong of CUTLASS's sm90 kernels, ordered by the ring itself).
+  wgmma K loop into per-subtile accumulators, then the generated epilogue: one consumer's K
+  loop runs while the other runs its epilogue (the ping-pong of CUTLASS's sm90 kernels).
+  Two barrier pairs keep the turns: `turn` lets a consumer start its K loop only once the
+  other's K loop has issued its last step, and `eturn` its epilogue only once the other's
+  epilogue is done. Both matter for correctness, not only speed: a ring slot's barrier tells
+  phases apart by parity alone, so a consumer may never wait on a slot more than one phase
+  ahead of the loader, which the turns guarantee (and epilogues in turn also keep the
+  compiler's layout-conversion scratch to one consumer at a time).
   Tile outputs leave through per-consumer SMEM staging buffers and asynchronous TMA stores.
 
 Hooks are `<<name>>` as in the Triton template (same filling rules, `fill`); the contract
@@ -69,7 +74,7 @@ def _operand_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty,
+def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, eturn,
               <<consumer_params>>
               M, N, K,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
@@ -77,7 +82,7 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty,
               A_COL: gl.constexpr, B_COL: gl.constexpr):
     SUBTILE: gl.constexpr = BLOCK_N // EPI_N
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, EPI_N, 16])
-    EPI: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    EPI: gl.constexpr = <<epi_layout>>
     ROWS: gl.constexpr = gl.SliceLayout(1, EPI)
     COLS: gl.constexpr = gl.SliceLayout(0, EPI)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -88,6 +93,9 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty,
     for tile_id in range(gl.program_id(0) + CID * NUM_SMS, num_pid_m * num_pid_n, 2 * NUM_SMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         off_m = pid_m * BLOCK_M
+        # This consumer's j-th tile follows the other's (j - CID)-th: consumer 0 goes first.
+        turn_phase = ((local // 2) & 1) ^ (1 - CID)
+        mbarrier.wait(turn.index(CID), turn_phase)
         <<acc_init>>
         base = local * k_tiles
         for ki in range(k_tiles):
@@ -101,13 +109,16 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty,
             <<mma>>
             # The previous step's MMAs have retired: its slot goes back to the loader.
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+        mbarrier.arrive(turn.index(1 - CID), count=1)
         <<mma_drain>>
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES), count=1, pred=k_tiles > 0)
+        mbarrier.wait(eturn.index(CID), turn_phase)
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)
         mask_m = offs_m < M
         <<rows>>
         <<row_loads>>
         <<epilogue>>
+        mbarrier.arrive(eturn.index(1 - CID), count=1)
         local += 2
     tma.store_wait(0)
 
@@ -128,11 +139,16 @@ def <<kernel_name>>(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    eturn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(eturn.index(i), count=1)
     <<alloc>>
     gl.warp_specialize([
-        (_consumer, (0, a_bufs, b_bufs, ready, empty, <<consumer_args>> M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        (_consumer, (0, a_bufs, b_bufs, ready, empty, turn, eturn, <<consumer_args>> M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                      NUM_SMS, EPI_N, STAGES, E_STAGES, A_COL, B_COL)),
-        (_consumer, (1, a_bufs, b_bufs, ready, empty, <<consumer_args>> M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        (_consumer, (1, a_bufs, b_bufs, ready, empty, turn, eturn, <<consumer_args>> M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                      NUM_SMS, EPI_N, STAGES, E_STAGES, A_COL, B_COL)),
         (_operand_loader, (a_src, b_src, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                            NUM_SMS, EPI_N, STAGES, A_COL, B_COL)),

@@ -1,0 +1,253 @@
+"""The block (TRANSFORMER.md 7) kernel by kernel on each backend, and the whole block against its
+speed of light and its peers (BENCH.md), in one process on the H200.
+
+rows:  every GEMM coda runs in one forward+backward of the block (native weights), recorded as it
+       runs, then replayed alone on each backend ("gluon-hopper", "triton") and as the bare cuBLAS
+       GEMM of the same operands (same shapes and memory orders). Each replay is checked against the
+       fp32 reference of its epilogue first. `chosen` marks the backend the runtime picks for it.
+sweep: (--sweep) the gluon-hopper kernels again under other tile configs.
+block: sol_graph (the 12 bare cuBLAS GEMMs back to back in one CUDA graph), coda (standard
+       weights), coda_native, eager, compile_default, compile_max_autotune_no_cudagraphs, liger;
+       forward+backward, each checked against fp32 first.
+
+    python bench/block_kernels.py --out DIR [--d 2048,4096] [--sweep] [--no-peers]
+    python bench/block_kernels.py --merge DIR/block_kernels.json --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import coda
+from coda.ir.reference import evaluate
+from coda.runtime import choose, launch
+from coda.runtime.validate import validate
+import harness
+from harness import NOTES, log, rel_err
+from ops_block import block_case, fwd_bwd, max_err
+
+WIDTHS = {2048: 8192, 4096: 14336}
+BACKENDS = ("gluon-hopper", "triton")
+SWEEP = [dict(block_m=128, block_n=128, block_k=64, num_stages=4, subtile=1),
+         dict(block_m=128, block_n=128, block_k=64, num_stages=4, subtile=2),
+         dict(block_m=128, block_n=128, block_k=64, num_stages=3, subtile=4),
+         dict(block_m=128, block_n=64, block_k=64, num_stages=4, subtile=1),
+         dict(block_m=64, block_n=256, block_k=64, num_stages=4, subtile=4)]
+
+
+def record_calls(step) -> list[tuple]:
+    """The (graph, a, b, operands, out) of every coda GEMM that `step()` runs, in order."""
+    calls, real = [], launch.run
+
+    def spy(graph, a, b, operands, *, out=None, config=None):
+        result = real(graph, a, b, operands, out=out, config=config)
+        fresh = {k: torch.empty_like(v) for k, v in (out or {}).items()} if isinstance(out, dict) else None
+        calls.append((graph, a.detach(), b.detach(), {k: v.detach() if isinstance(v, torch.Tensor) else v
+                                                         for k, v in operands.items()}, fresh))
+        return result
+
+    launch.run = spy
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        launch.run = real
+    return calls
+
+
+def _reference(graph, a, b, operands) -> dict[str, torch.Tensor]:
+    return evaluate(graph, a.float() @ b.float(), operands)
+
+
+def _error(result, ref: dict[str, torch.Tensor]) -> float:
+    outs = result if isinstance(result, dict) else {next(iter(ref)): result}
+    return max(rel_err(outs[k], ref[k]) for k in ref)
+
+
+def kernel_rows(d: int, f: int, m: int, sweep: bool) -> tuple[list[dict], list[dict]]:
+    case = block_case(m, d, f)
+    calls = record_calls(fwd_bwd(case["ours_native"], case["native_params"], case["go"]))
+    rows, swept = [], []
+    for i, (graph, a, b, operands, out) in enumerate(calls):
+        name = "plain" if graph.hash == launch.PLAIN.hash else graph.name
+        label = f"{'fwd' if i < 4 else 'bwd'}{i}:{name}"
+        shape = [a.shape[0], b.shape[1], a.shape[1]]
+        bare = harness.timed(lambda: torch.matmul(a, b))
+        ref = _reference(graph, a, b, operands)
+        os.environ["CODA_BACKEND"] = "auto"
+        launch.run(graph, a, b, operands, out=out)
+        cfg = choose.chosen_config(validate(graph, a, b, operands, out, False), False)
+        chosen = cfg.backend if cfg is not None else "triton"
+        for backend in BACKENDS:
+            os.environ["CODA_BACKEND"] = backend
+            fn = lambda: launch.run(graph, a, b, operands, out=out)  # noqa: E731
+            try:
+                err = _error(fn(), ref)
+                if not err < 2e-2:
+                    raise AssertionError(f"error {err:.3g} vs the fp32 reference")
+                ms = harness.timed(fn)
+            except Exception as exc:  # noqa: BLE001 - a backend that cannot run this kernel is reported
+                NOTES.append(f"D={d} {label} {backend}: {type(exc).__name__}: {str(exc)[:200]}")
+                log(f"  {label:34s} {backend:13s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            rows.append({"D": d, "FFN": f, "M": m, "kernel": label, "backend": backend, "chosen": backend == chosen,
+                         "ms": ms, "bare_gemm_ms": bare, "gemm": shape, "err": err})
+            log(f"  {label:34s} {backend:13s} {ms:8.4f} ms  cuBLAS {bare:8.4f}  x{ms / bare:5.3f}"
+                f"{'  (chosen)' if backend == chosen else ''}")
+            if sweep and backend == "gluon-hopper":
+                for c in SWEEP:
+                    try:
+                        conf = coda.Config(backend="gluon-hopper", num_warps=4, **c)
+                        run = lambda: launch.run(graph, a, b, operands, out=out, config=conf)  # noqa: E731
+                        err = _error(run(), ref)
+                        t = harness.timed(run) if err < 2e-2 else None
+                    except Exception as exc:  # noqa: BLE001
+                        t, err = None, f"{type(exc).__name__}: {str(exc)[:100]}"
+                    swept.append({"D": d, "kernel": label, "config": c, "ms": t, "bare_gemm_ms": bare, "err": err})
+                    log(f"    sweep {c} -> {t}")
+        os.environ["CODA_BACKEND"] = "auto"
+    return rows, swept
+
+
+def _sol_graph(fwd: list, bwd: list) -> float:
+    """The block's bare cuBLAS GEMMs back to back in one CUDA graph."""
+    pairs = [(harness.rand(mm, k), harness.rand(n, k, scale=k**-0.5)) for mm, n, k in fwd + bwd]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for a, w in pairs:  # warm cuBLAS up outside capture
+            a @ w.T
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a, w in pairs:
+            a @ w.T
+    return harness.timed(graph.replay)
+
+
+def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float) -> list[dict]:
+    case = block_case(m, d, f)
+    ref_all = (case["ref"], *case["refg"])
+    out = [{"D": d, "FFN": f, "M": m, "variant": "sol_graph", "ms": _sol_graph(case["fwd"], case["bwd"])}]
+    impls = dict(case["impls"])
+    variants = {"coda": fwd_bwd(impls["coda"], case["params"], case["go"]),
+                "coda_native": fwd_bwd(case["ours_native"], case["native_params"], case["go"])}
+    checks = {"coda": lambda r: max_err(r, ref_all), "coda_native": case["native_error"]}
+    if peers:
+        variants["eager"] = fwd_bwd(impls["eager"], case["params"], case["go"])
+        checks["eager"] = lambda r: max_err(r, ref_all)
+        if "liger" in impls:
+            variants["liger"] = fwd_bwd(impls["liger"], case["params"], case["go"])
+            checks["liger"] = lambda r: max_err(r, ref_all)
+    for name, fn in variants.items():
+        try:
+            err = checks[name](fn())
+            if not err < 2e-2:
+                raise AssertionError(f"error {err:.3g} vs fp32")
+            out.append({"D": d, "FFN": f, "M": m, "variant": name, "ms": harness.timed(fn), "err": err})
+            log(f"  block D={d} {name:40s} {out[-1]['ms']:8.3f} ms")
+        except Exception as exc:  # noqa: BLE001
+            NOTES.append(f"block D={d} {name}: {type(exc).__name__}: {str(exc)[:200]}")
+    if peers:
+        for mode in ("default", "max-autotune-no-cudagraphs"):
+            t0 = time.time()
+            if t0 + 60 > compile_budget_s:
+                NOTES.append(f"block D={d} compile_{mode}: not run (out of this run's time budget)")
+                continue
+            cf = torch.compile(impls["eager"]) if mode == "default" else torch.compile(impls["eager"], mode=mode)
+            fn = fwd_bwd(cf, case["params"], case["go"])
+            try:
+                err = max_err(fn(), ref_all)
+                out.append({"D": d, "FFN": f, "M": m, "variant": f"compile_{mode.replace('-', '_')}",
+                            "ms": harness.timed(fn), "err": err, "compile_s": time.time() - t0})
+                log(f"  block D={d} compile_{mode:30s} {out[-1]['ms']:8.3f} ms ({time.time() - t0:.0f} s)")
+            except Exception as exc:  # noqa: BLE001
+                NOTES.append(f"block D={d} compile_{mode}: {type(exc).__name__}: {str(exc)[:200]}")
+            torch._dynamo.reset()
+    return out
+
+
+def table(data: dict) -> str:
+    lines = ["| D | kernel | GEMM [M, N, K] | cuBLAS ms | gluon-hopper ms (x cuBLAS) | triton ms (x cuBLAS) | chosen |",
+             "|---|---|---|---|---|---|---|"]
+    by: dict[tuple, dict] = {}
+    for r in data["rows"]:
+        by.setdefault((r["D"], r["kernel"]), {"gemm": r["gemm"], "bare": r["bare_gemm_ms"]})[r["backend"]] = r
+    for (d, kernel), v in by.items():
+        cells = []
+        for b in BACKENDS:
+            r = v.get(b)
+            cells.append("-" if r is None else f"{r['ms']:.3f} ({r['ms'] / r['bare_gemm_ms']:.3f})")
+        chosen = next((b for b in BACKENDS if v.get(b, {}).get("chosen")), "-")
+        lines.append(f"| {d} | {kernel} | {v['gemm']} | {v['bare']:.3f} | {cells[0]} | {cells[1]} | {chosen} |")
+    lines += ["", "| D | variant | ms fwd+bwd | x SoL |", "|---|---|---|---|"]
+    sol = {r["D"]: r["ms"] for r in data["block"] if r["variant"] == "sol_graph"}
+    for r in data["block"]:
+        lines.append(f"| {r['D']} | {r['variant']} | {r['ms']:.3f} | {r['ms'] / sol[r['D']]:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--d", default="2048,4096")
+    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-peers", action="store_true", help="only sol_graph, coda and coda_native block rows")
+    ap.add_argument("--budget", type=float, default=480, help="seconds after which torch.compile peers are skipped")
+    ap.add_argument("--merge", type=Path, help="write <out>/block_kernels.{json,md} from a measured JSON")
+    ap.add_argument("--note")
+    args = ap.parse_args()
+    if args.merge:
+        data = json.loads(args.merge.read_text())
+        if args.note:
+            data["meta"]["note"] = args.note
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "block_kernels.json").write_text(json.dumps(data, indent=1))
+        md = ["# block_kernels", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton "
+              f"{data['meta']['triton']}, commit {data['meta']['commit']}.", "", data["meta"]["protocol"], "",
+              *([data["meta"]["note"], ""] if data["meta"].get("note") else []), table(data), ""]
+        md += [f"* {n}" for n in data["notes"]]
+        (args.out / "block_kernels.md").write_text("\n".join(md) + "\n")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("block_kernels.py measures on a CUDA GPU; --merge runs anywhere")
+    import triton
+
+    t0 = time.time()
+    torch.manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit or os.environ.get("CODA_COMMIT", "unknown"), "python": platform.python_version(),
+            "autotune": os.environ.get("CODA_AUTOTUNE", "1"),
+            "protocol": "do_bench median, bf16, M=8192; each kernel replayed alone on the operands the block gave "
+                        "it (checked against the fp32 reference of its epilogue first); bare_gemm_ms = torch.matmul "
+                        "(cuBLAS) of the same operands; block rows forward+backward, checked against fp32."}
+    data = {"meta": meta, "rows": [], "sweep": [], "block": [], "notes": NOTES}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (args.out / "block_kernels.json").write_text(json.dumps(data, indent=1))
+
+    for d in map(int, args.d.split(",")):
+        rows, swept = kernel_rows(d, WIDTHS[d], args.m, args.sweep)
+        data["rows"] += rows
+        data["sweep"] += swept
+        save()
+    for d in map(int, args.d.split(",")):
+        data["block"] += block_rows(d, WIDTHS[d], args.m, not args.no_peers, t0 + args.budget)
+        save()
+    log(table(data))
+    log(f"{time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

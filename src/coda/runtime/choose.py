@@ -12,7 +12,6 @@ import triton
 
 from .. import __version__
 from ..codegen import unsupported
-from ..codegen.gluon_kernel import reshapes
 from ..ir.graph import Graph
 from ..ir.primitives import BACKENDS
 from ..ir.types import Kind
@@ -51,10 +50,10 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
 
 def gluon_first(graph: Graph) -> bool:
     """Whether gluon-hopper is preferred without tuning (CODA_AUTOTUNE=0 runs the first backend;
-    tuning times both). Measured on the H200 (bench/results/block_kernels.md): it beats cuBLAS on
-    plain GEMMs and light epilogues, and loses to Triton where the epilogue reads Tile operands or
-    reshapes tiles (pairs, interleave, grouped reductions)."""
-    return not reshapes(graph) and not any(s.kind == Kind.TILE for s in graph.operands)
+    tuning times both). In the H200 sweep (bench/results/block_kernels.json) its 128x128 default
+    beat Triton's default on the block's GEMMs but for width-2 Tile operands (the SwiGLU backward
+    reading z: its staging does not fit beside the ring) and tied on plain GEMMs."""
+    return not any(s.kind == Kind.TILE and s.frac_width == 2 for s in graph.operands)
 
 
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..codegen.gluon_kernel import reshapes
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import Backend
@@ -132,17 +133,20 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
 
 
 def _gluon_default(graph: Graph) -> Config:
-    """128x128 tiles per consumer (a 128-register accumulator each). Epilogues with Tile
-    operands or several outputs run in 32-column subtiles behind a 3-slot ring (the sm_90
-    compiles of the RMSNorm- and SwiGLU-backward epilogues spill, or overflow shared memory,
-    with wider subtiles), pair transforms in 64-column ones. Wider reduction groups take
-    64-row tiles."""
+    """128x128 tiles per consumer (a 128-register accumulator each) behind a 4-slot ring: the best
+    gluon-hopper config for every GEMM of the block in the H200 sweep (bench/results/block_kernels.json,
+    "sweep"); narrower MMAs (64- or 32-column subtiles, 128x64 tiles) slow the K loop by half.
+    Epilogues that reshape tiles run in 64-column subtiles (their blocked-layout temporaries).
+    Wider reduction groups take 64-row tiles."""
     need = min_block_n(graph)
-    heavy = graph.uses_width(Fraction(2)) or _heavy(graph)
-    subtile, stages = (4, 3) if heavy else (2, 4) if graph.uses_width(Fraction(1, 2)) else (1, 4)
-    while subtile > 1 and 128 // subtile < need:
-        subtile //= 2
+    subtile = 2 if reshapes(graph) and need <= 64 else 1
     block_n = max(128, need * subtile)
     block_m = 128 if block_n <= 128 else 64
     return Config(backend="gluon-hopper", block_m=block_m, block_n=block_n, block_k=64, num_warps=4,
-                  num_stages=stages, subtile=subtile)
+                  num_stages=4, subtile=subtile)
+
+
+def gluon_scratch_bytes(graph: Graph, cfg: "Config") -> int:
+    """Shared memory the compiler takes for layout conversions in a gluon-hopper epilogue that
+    reshapes (one fp32 subtile; an OutOfResources launch on the H200 when it was not counted)."""
+    return cfg.block_m * cfg.epi_n * 4 if cfg.backend == "gluon-hopper" and reshapes(graph) else 0

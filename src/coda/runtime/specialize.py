@@ -9,7 +9,7 @@ from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from . import tma
 from .cache import load_kernel, stats
-from .config import HOPPER_SMEM_BYTES, Config, ring_bytes, store_bytes, tile_load_bytes
+from .config import HOPPER_SMEM_BYTES, Config, gluon_scratch_bytes, ring_bytes, store_bytes, tile_load_bytes
 from .validate import IN_DTYPES, Call
 
 
@@ -29,7 +29,7 @@ def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple
         # Every TMA Tile load and TMA store stages tiles in shared memory beside the operand
         # ring: Tile loads first, then stores, each while it fits, so that no config fails for
         # want of shared memory because of them (the rest use pointers).
-        free = HOPPER_SMEM_BYTES - ring_bytes(cfg, call.a.element_size())
+        free = HOPPER_SMEM_BYTES - ring_bytes(cfg, call.a.element_size()) - gluon_scratch_bytes(call.graph, cfg)
         for s in call.graph.operands:
             if s.kind == Kind.TILE and tma.tile_ok(call, s.name, cfg):
                 need = tile_load_bytes(cfg, s.frac_width, call.operands[s.name].element_size())

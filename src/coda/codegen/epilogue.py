@@ -117,7 +117,11 @@ class EpilogueEmitter:
         spec, form = self.kinds[node.name], self.forms[node.name]
         base = f"in_{node.name}"
         if spec.kind == Kind.SCALAR and form.dtype is None:
-            return base, "f32"
+            # A Python float reaches the GPU kernel as fp32 (1e39 becomes inf); the interpreter
+            # passes it as a Python float, which Triton would type fp64 when out of fp32 range.
+            if self.spec.interpret:
+                return f"tl.cast({base}_val, tl.float32)", "f32"
+            return f"{base}_val", "f32"
         if spec.kind == Kind.SCALAR:
             expr = f"tl.load({base}_ptr)"
         elif spec.kind == Kind.VEC_M:
@@ -224,7 +228,8 @@ class EpilogueEmitter:
         width = self.graph.node(out.x).frac_width
         c, mk = self._col_names(width)
         x = self.f32(out.x)
-        base, r = f"out_{out.name}", f"red_{out.name}"
+        base, p = f"out_{out.name}", f"red_{out.name}"
+        r = f"{p}_r"  # its temporaries are {p}_nan, {p}_max, {p}_cols: one suffix each (spec.py)
         if out.axis == "m":
             return [
                 f"{r} = tl.sum(tl.where(mask_m[:, None], {x}, 0.0), axis=0)",
@@ -240,23 +245,23 @@ class EpilogueEmitter:
             lines.append(f"{r} = tl.sum({r}, axis={axis})")
         elif out.op == "max":  # tl.max drops NaN; torch.amax (the oracle) propagates it
             lines += [
-                f"{r}_nan = tl.sum(({r} != {r}).to(tl.int32), axis={axis}) > 0",
-                f'{r} = tl.where({r}_nan, float("nan"), tl.max({r}, axis={axis}))',
+                f"{p}_nan = tl.sum(({r} != {r}).to(tl.int32), axis={axis}) > 0",
+                f'{r} = tl.where({p}_nan, float("nan"), tl.max({r}, axis={axis}))',
             ]
         else:
             lines += [
-                f"{r}_max = tl.max({r}, axis={axis})",
-                f'{r}_max = tl.where({r}_max == float("-inf"), 0.0, {r}_max)',
-                f"{r} = {r}_max + tl.log(tl.sum(tl.exp({r} - tl.expand_dims({r}_max, {axis})), axis={axis}))",
+                f"{p}_max = tl.max({r}, axis={axis})",
+                f'{p}_max = tl.where({p}_max == float("-inf"), 0.0, {p}_max)',
+                f"{r} = {p}_max + tl.log(tl.sum(tl.exp({r} - tl.expand_dims({p}_max, {axis})), axis={axis}))",
             ]
         if out.group is None:
             lines.append(f"tl.store({base}_ptr + rows * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask=mask_m)")
         else:
             g = out.group
             lines += [
-                f"{r}_cols = {col_start(width)} // {g} + tl.arange(0, {cols(width)} // {g})",
-                f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {r}_cols[None, :] * {base}_s1, {r}, "
-                f"mask=mask_m[:, None] & ({r}_cols[None, :] < {n_total(width)} // {g}))",
+                f"{p}_cols = {col_start(width)} // {g} + tl.arange(0, {cols(width)} // {g})",
+                f"tl.store({base}_ptr + rows[:, None] * {base}_s0 + {p}_cols[None, :] * {base}_s1, {r}, "
+                f"mask=mask_m[:, None] & ({p}_cols[None, :] < {n_total(width)} // {g}))",
             ]
         return lines
 

@@ -33,8 +33,9 @@ _B_LOADS = {
 
 
 def kernel_name(graph: Graph) -> str:
-    """`coda_<epilogue>`: the name profilers and Triton's errors show for this kernel."""
-    return "coda_" + re.sub(r"\W", "_", graph.name)
+    """`coda_<epilogue>`: the name profilers and Triton's errors show for this kernel (other
+    characters than ASCII letters, digits and _ become _: the name is code, and PTX's)."""
+    return "coda_" + re.sub(r"[^0-9A-Za-z_]", "_", graph.name)
 
 
 def generate(graph: Graph, spec: Specialization) -> str:
@@ -60,7 +61,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     return fill({
         "kernel_name": kernel_name(graph),
-        "epilogue_name": graph.name,
+        "epilogue_name": graph.name.encode("unicode_escape").decode("ascii"),  # a comment: no line breaks
         "graph_hash": graph.hash,
         "args": "\n".join(f"{a}," for a in args),
         "load_a": "\n".join(load_a),

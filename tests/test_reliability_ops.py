@@ -117,3 +117,112 @@ def test_value_from_another_trace_as_output() -> None:
             coda.epilogue(fn)
     with pytest.raises(ValueError, match=r"tracing has finished"):
         coda.epilogue(computes_with_it)
+
+
+# -- numerics -----------------------------------------------------------------------------------
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("group", [None, 4])
+def test_logsumexp_over_infinities(group: int | None) -> None:
+    """A row holding +inf has logsumexp inf (the shift by an infinite max was inf - inf = NaN);
+    an all -inf row has -inf; NaN stays NaN."""
+
+    @coda.epilogue
+    def lse(acc, g: coda.Tile):
+        return coda.reduce_n(acc + g, "logsumexp", group=group)
+
+    a, b = randn(5, 4), randn(4, 8)
+    g = torch.zeros(5, 8, device=DEVICE)
+    g[0, 1] = INF
+    g[1] = -INF
+    g[2, 3], g[2, 5] = INF, -INF
+    g[3, 6] = NAN
+    out = coda.gemm(a, b, lse, g=g)
+    ref = lse.reference(a, b, g=g)
+    assert out[0].isposinf().any() and out[1].isneginf().all() and out[3].isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_cross_entropy_row_pass_over_infinities() -> None:
+    """The row pass's online logsumexp across column blocks: +inf in a later block, a first
+    block of -inf followed by finite logits, and a first block that is all -inf."""
+    from coda.ops import rowwise
+
+    v = 4096 + 8  # two column blocks (BLOCK = 4096)
+    logits = torch.randn(4, v, device=DEVICE)
+    logits[0, v - 1] = INF
+    logits[1, :4096] = -INF
+    logits[1, 4096:] -= 1000.0
+    logits[2, :] = -INF
+    target = torch.tensor([3, 4100, 0, 5], device=DEVICE)
+    ref = torch.logsumexp(logits, dim=1)
+    lse, _ = rowwise.cross_entropy_(logits.clone(), target, torch.ones(4, device=DEVICE))
+    assert lse[0].isposinf() and lse[2].isneginf()
+    torch.testing.assert_close(lse, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_relu_propagates_nan() -> None:
+    """tl.maximum drops NaN on the GPU by default (max.f32); relu must not."""
+    from coda.codegen.epilogue import _BINARY, _UNARY
+
+    for table in (_UNARY, _BINARY):
+        for fn, expr in table.items():
+            if "tl.maximum" in expr or "tl.minimum" in expr:
+                assert "propagate_nan=tl.PropagateNan.ALL" in expr, fn
+
+    @coda.epilogue
+    def relu(acc, g: coda.Tile):
+        return coda.relu(acc + g)
+
+    a, b = randn(3, 4), randn(4, 4)
+    g = torch.zeros(3, 4, device=DEVICE)
+    g[1, 2] = NAN
+    out = coda.gemm(a, b, relu, g=g)
+    assert out[1, 2].isnan() and (out.isnan().sum() == 1)
+    torch.testing.assert_close(out, torch.relu(a @ b + g), equal_nan=True)
+
+
+@pytest.mark.parametrize("s", [1e39, -1e39, 3.4028235e38, 1e-50])
+def test_python_float_scalar_is_fp32(s: float) -> None:
+    """A Python float reaches the kernel as fp32, as in the reference: 1e39 is inf (so 0 * s
+    is NaN), 1e-50 is 0; the second call (a cached plan) too."""
+
+    @coda.epilogue
+    def scaled(acc, s: coda.Scalar):
+        return acc * s
+
+    a, b = _eye(2), _eye(2)
+    ref = scaled.reference(a, b, s=s)
+    for _ in range(2):
+        torch.testing.assert_close(coda.gemm(a, b, scaled, s=s), ref, equal_nan=True)
+
+
+def test_sin_cos_stay_bounded_for_huge_arguments() -> None:
+    """Past the accurate range (README) the result is bounded, not accurate; inf/NaN give NaN."""
+
+    @coda.epilogue
+    def trig(acc, g: coda.Tile):
+        return {"s": coda.sin(acc + g), "c": coda.cos(acc + g)}
+
+    g = torch.tensor([[1e9, -3e9, 1e10, 2.0**40], [1e20, -1e30, 3.4e38, 12345678.0], [INF, -INF, NAN, 0.5]],
+                     device=DEVICE)
+    out = coda.gemm(torch.zeros(3, 2, device=DEVICE), torch.zeros(2, 4, device=DEVICE), trig, g=g)
+    for name in ("s", "c"):
+        assert (out[name][:2].abs() <= 1.0).all(), (name, out[name])
+        assert out[name][2, :3].isnan().all()
+    torch.testing.assert_close(out["s"][2, 3], torch.sin(g[2, 3]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out["c"][2, 3], torch.cos(g[2, 3]), rtol=1e-6, atol=1e-7)
+
+
+def test_rmsnorm_linear_fp16_where_x_times_g_overflows() -> None:
+    """|x * g| = 90000 exceeds fp16 (65504); the normalized value x * rstd * g does not."""
+    d, n = 16, 8
+    x = torch.full((3, d), 300.0, device=DEVICE).half()
+    x[1] *= -1
+    g = torch.full((d,), 300.0, device=DEVICE).half()
+    w = (randn(n, d) * 0.01).half()
+    y = coda.ops.rmsnorm_linear(x, g, w)
+    ref = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (d,), g, 1e-6), w)
+    assert y.isfinite().all()
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 * 2.0**-11, atol=1e-3)

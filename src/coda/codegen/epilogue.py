@@ -31,7 +31,7 @@ _UNARY = {
     "silu": "{x} * tl.sigmoid({x})",
     "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
     "tanh": "_tanh({x})",
-    "relu": "tl.maximum({x}, 0.0)",
+    "relu": "tl.maximum({x}, 0.0, propagate_nan=tl.PropagateNan.ALL)",  # the GPU's default drops NaN
     "sin": "_trig({x}, 0)",
     "cos": "_trig({x}, 1)",
     "abs": "tl.abs({x})",
@@ -251,7 +251,8 @@ class EpilogueEmitter:
         else:
             lines += [
                 f"{p}_max = tl.max({r}, axis={axis})",
-                f'{p}_max = tl.where({p}_max == float("-inf"), 0.0, {p}_max)',
+                # shift by 0 when the max is +-inf (as torch.logsumexp): inf - inf would be NaN
+                f'{p}_max = tl.where(tl.abs({p}_max) == float("inf"), 0.0, {p}_max)',
                 f"{r} = {p}_max + tl.log(tl.sum(tl.exp({r} - tl.expand_dims({p}_max, {axis})), axis={axis}))",
             ]
         if out.group is None:

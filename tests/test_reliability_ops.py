@@ -226,3 +226,88 @@ def test_rmsnorm_linear_fp16_where_x_times_g_overflows() -> None:
     ref = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (d,), g, 1e-6), w)
     assert y.isfinite().all()
     torch.testing.assert_close(y.float(), ref.float(), rtol=2 * 2.0**-11, atol=1e-3)
+
+
+# -- empty shapes -------------------------------------------------------------------------------
+
+@coda.epilogue
+def _stats(acc, rstd: coda.VecM, g: coda.Tile, bias: coda.VecN):
+    y = acc * rstd + g + bias
+    return {"y": y, "e": coda.exp(acc) + bias, "lse": coda.reduce_n(y, "logsumexp"), "s": coda.reduce_n(y, "sum"),
+            "col": coda.reduce_m(y, "sum"), "heads": coda.reduce_n(y, "sum", group=2)}
+
+
+def _stats_ops(m: int, n: int) -> dict:
+    return {"rstd": randn(m), "g": randn(m, n), "bias": randn(n)}
+
+
+@pytest.mark.parametrize("m,n,k", [(0, 6, 5), (4, 0, 5), (0, 0, 5), (4, 6, 0), (0, 6, 0)])
+def test_gemm_empty_shapes_match_the_reference(m: int, n: int, k: int) -> None:
+    """As torch.matmul: M = 0 or N = 0 gives empty tiles (reductions over an empty axis give
+    their identity: sum 0, logsumexp -inf); K = 0 gives the epilogue of a zero accumulator."""
+    a, b, ops = randn(m, k), randn(k, n), _stats_ops(m, n)
+    ref = _stats.reference(a, b, **ops)
+    for _ in range(2):  # the second call would use a cached plan
+        out = coda.gemm(a, b, _stats, **ops)
+        assert set(out) == set(ref)
+        for name, r in ref.items():
+            assert out[name].shape == r.shape and out[name].dtype == (a.dtype if name in "ye" else torch.float32)
+            torch.testing.assert_close(out[name], r, rtol=1e-6, atol=1e-6)
+    if k == 0 and m:
+        assert torch.equal(coda.gemm(a, b), torch.zeros(m, n, device=DEVICE))
+
+
+def test_gemm_empty_shapes_write_out() -> None:
+    a, b = randn(4, 0), randn(0, 6)
+    y = torch.full((4, 6), 7.0, device=DEVICE)
+    assert coda.gemm(a, b, out=y) is y and torch.equal(y, torch.zeros(4, 6, device=DEVICE))
+    col = torch.full((6,), 7.0, device=DEVICE)
+    out = coda.gemm(randn(0, 3), randn(3, 6), _stats, out={"col": col}, **_stats_ops(0, 6))
+    assert out["col"] is col and torch.equal(col, torch.zeros(6, device=DEVICE))
+
+
+def test_gemm_max_over_no_columns_is_an_error() -> None:
+    @coda.epilogue
+    def row_max(acc):
+        return coda.reduce_n(acc, "max")
+
+    assert coda.gemm(randn(0, 3), randn(3, 4), row_max).shape == (0,)
+    with pytest.raises(ValueError, match=r"max over N = 0 columns"):
+        coda.gemm(randn(3, 3), randn(3, 0), row_max)
+
+
+def _grads(loss: torch.Tensor, inputs: tuple) -> tuple:
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def test_ops_with_no_rows_forward_and_backward() -> None:
+    """An empty batch (an MoE expert with no tokens) through all three ops, with gradients,
+    as in PyTorch: empty outputs, zero weight gradients, NaN for a mean loss, 0 for a sum."""
+    import torch.nn.functional as F
+
+    d, n, f, v = 8, 6, 4, 10
+    x = randn(0, d).requires_grad_()
+    g, w = randn(d).requires_grad_(), randn(n, d).requires_grad_()
+    y = coda.ops.rmsnorm_linear(x, g, w)
+    ref = F.linear(F.rms_norm(x, (d,), g, 1e-6), w)
+    assert y.shape == ref.shape == (0, n)
+    for got, want in zip(_grads(y.sum(), (x, g, w)), _grads(ref.sum(), (x, g, w))):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+    wg, wu, wd = randn(f, d).requires_grad_(), randn(f, d).requires_grad_(), randn(d, f).requires_grad_()
+    y = coda.ops.swiglu_mlp(x, wg, wu, wd)
+    ref = F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    assert y.shape == ref.shape == (0, d)
+    for got, want in zip(_grads(y.sum(), (x, wg, wu, wd)), _grads(ref.sum(), (x, wg, wu, wd))):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+    wv, t = randn(v, d).requires_grad_(), torch.zeros(0, dtype=torch.long, device=DEVICE)
+    for reduction in ("mean", "sum"):
+        with torch.no_grad():
+            nograd = coda.ops.linear_cross_entropy(x, wv, t, reduction=reduction)
+        loss = coda.ops.linear_cross_entropy(x, wv, t, reduction=reduction)
+        ref = F.cross_entropy(F.linear(x, wv).float(), t, reduction=reduction)
+        torch.testing.assert_close(loss.detach(), ref.detach(), equal_nan=True)
+        torch.testing.assert_close(nograd, ref.detach(), equal_nan=True)
+        for got, want in zip(_grads(loss, (x, wv)), _grads(ref, (x, wv))):
+            assert got.shape == want.shape and torch.equal(got, want)

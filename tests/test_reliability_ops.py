@@ -311,3 +311,58 @@ def test_ops_with_no_rows_forward_and_backward() -> None:
         torch.testing.assert_close(nograd, ref.detach(), equal_nan=True)
         for got, want in zip(_grads(loss, (x, wv)), _grads(ref, (x, wv))):
             assert got.shape == want.shape and torch.equal(got, want)
+
+
+# -- strided and expanded inputs of the row kernels ---------------------------------------------
+
+def _norm_weights(d: int) -> dict:
+    base = randn(d, 3).requires_grad_()
+    one = randn(1).requires_grad_()
+    return {"strided": (base, lambda: base[:, 1]), "expanded": (one, lambda: one.expand(d)),
+            "flipped": (base, lambda: base[:, 0].flip(0))}
+
+
+@pytest.mark.parametrize("kind", ["strided", "expanded", "flipped"])
+def test_rmsnorm_linear_strided_norm_weight(kind: str) -> None:
+    """g[:, 1] and t.expand(D) once read as if contiguous (the expanded one past its storage)."""
+    import torch.nn.functional as F
+
+    d, n = 12, 10
+    leaf, make = _norm_weights(d)[kind]
+    x, w = randn(2, 3, d).requires_grad_(), randn(n, d).requires_grad_()
+    y = coda.ops.rmsnorm_linear(x, make(), w)
+    ref = F.linear(F.rms_norm(x, (d,), make(), 1e-6), w)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    dy = randn(*y.shape)
+    for got, want in zip(torch.autograd.grad(y, (x, leaf, w), dy), torch.autograd.grad(ref, (x, leaf, w), dy)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_row_kernels_honour_strides_or_refuse() -> None:
+    """Every pointer-based row kernel: strided vectors are made contiguous, wrong lengths and
+    overlapping in-place rows are refused (no out-of-bounds reads or racing writes)."""
+    from coda.ops import rowwise
+
+    m, d = 3, 8
+    x = randn(m, d)
+    g = randn(d, 2)[:, 0]
+    h, rstd = rowwise.rms_prep(x, g, 1e-6)
+    torch.testing.assert_close(h, torch.nn.functional.rms_norm(x, (d,), g, 1e-6), rtol=1e-6, atol=1e-6)
+    c = randn(m, 2)[:, 1]
+    u = randn(m, d)
+    torch.testing.assert_close(rowwise.rms_input_grad(u, x, c), u - c[:, None] * x)
+    with pytest.raises(ValueError, match=r"rms_prep: norm_weight must have shape \[8\]"):
+        rowwise.rms_prep(x, randn(d + 1), 1e-6)
+    with pytest.raises(ValueError, match=r"rms_input_grad: c must have shape \[3\]"):
+        rowwise.rms_input_grad(u, x, randn(m + 4))
+    logits = randn(m, d)
+    target = torch.tensor([[1, 9], [2, 9], [7, 9]], device=DEVICE)[:, 0]
+    lse, tl = rowwise.cross_entropy_(logits.clone(), target, torch.ones(m, device=DEVICE))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, 1))
+    torch.testing.assert_close(tl, logits.gather(1, target[:, None])[:, 0])
+    with pytest.raises(ValueError, match=r"cross_entropy_: target must have shape \[3\]"):
+        rowwise.cross_entropy_(logits.clone(), target[:2], torch.ones(m, device=DEVICE))
+    with pytest.raises(ValueError, match=r"rows overlap"):
+        rowwise.cross_entropy_(randn(1, d).expand(m, d), target, torch.ones(m, device=DEVICE))
+    with pytest.raises(ValueError, match=r"rope_backward: freq must have shape \[4\]"):
+        rowwise.rope_backward(randn(m, d), randn(m, d), torch.arange(m, device=DEVICE), randn(3))

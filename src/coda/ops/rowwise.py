@@ -121,6 +121,13 @@ def _rows(t: torch.Tensor, what: str) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _vector(t: torch.Tensor, length: int, what: str) -> torch.Tensor:
+    """A contiguous [length] tensor (the kernels index vectors with unit stride)."""
+    if tuple(t.shape) != (length,):
+        raise ValueError(f"{what} must have shape [{length}], got {list(t.shape)}")
+    return t.contiguous()
+
+
 def rms_prep(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, rstd): rstd = rsqrt(mean(x^2) + eps) fp32 per row and h = x * rstd * g in x.dtype
     (F.rms_norm's output), in one pass. norm_weight may be strided or expanded."""
@@ -140,9 +147,12 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
     """dx = u - c[:, None] * x in x.dtype (u fp32, c fp32 per row)."""
     u, x = _rows(u, "rms_input_grad: u"), _rows(x, "rms_input_grad: x")
     m, d = x.shape
+    if u.shape != x.shape:
+        raise ValueError(f"rms_input_grad: u {list(u.shape)} and x {list(x.shape)} must have one shape")
+    c = _vector(c, m, "rms_input_grad: c")
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if m:
-        _rms_input_grad_kernel[(m,)](u, x, c.contiguous(), dx, d, u.stride(0), x.stride(0), dx.stride(0),
+        _rms_input_grad_kernel[(m,)](u, x, c, dx, d, u.stride(0), x.stride(0), dx.stride(0),
                                      BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
     return dx
 
@@ -154,10 +164,13 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("cross_entropy_: logits must be 2-D with contiguous rows")
     m, v = logits.shape
+    if m > 1 and logits.stride(0) < v:
+        raise ValueError("cross_entropy_: logits rows overlap (an expanded view?); they are written in place")
+    target, scale = _vector(target, m, "cross_entropy_: target"), _vector(scale, m, "cross_entropy_: scale")
     lse = torch.empty(m, device=logits.device, dtype=torch.float32)
     tlogit = torch.empty_like(lse)
     if m:
-        _cross_entropy_kernel[(m,)](logits, target.contiguous(), scale.contiguous(), lse, tlogit, v, logits.stride(0),
+        _cross_entropy_kernel[(m,)](logits, target, scale, lse, tlogit, v, logits.stride(0),
                                     BLOCK=min(4096, triton.next_power_of_2(v)), num_warps=8,
                                     **_out_args(logits.dtype))
     return lse, tlogit
@@ -171,10 +184,13 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     equals the pre-rotation input's dot with its gradient (the RMSNorm backward's row term)."""
     dz, z = _rows(dz, "rope_backward: dz"), _rows(z, "rope_backward: z")
     m, n = dz.shape
+    if z.shape != dz.shape or n % 2:
+        raise ValueError(f"rope_backward: dz {list(dz.shape)} and z {list(z.shape)} must have one shape, N even")
+    pos, freq = _vector(pos, m, "rope_backward: pos"), _vector(freq.float(), n // 2, "rope_backward: freq")
     out = torch.empty_like(dz, memory_format=torch.contiguous_format)
     zdz = torch.empty(m, device=dz.device, dtype=torch.float32)
     if m:
-        _rope_backward_kernel[(m,)](dz, z, pos.contiguous(), freq.float().contiguous(), out, zdz, n // 2,
+        _rope_backward_kernel[(m,)](dz, z, pos, freq, out, zdz, n // 2,
                                     dz.stride(0), z.stride(0), out.stride(0),
                                     BLOCK=triton.next_power_of_2(n // 2), **_out_args(dz.dtype))
     return out, zdz

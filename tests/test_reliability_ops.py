@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import coda
-from conftest import DEVICE, randn
+from conftest import DEVICE, GPU, randn
 
 
 @pytest.fixture(autouse=True)
@@ -366,3 +366,49 @@ def test_row_kernels_honour_strides_or_refuse() -> None:
         rowwise.cross_entropy_(randn(1, d).expand(m, d), target, torch.ones(m, device=DEVICE))
     with pytest.raises(ValueError, match=r"rope_backward: freq must have shape \[4\]"):
         rowwise.rope_backward(randn(m, d), randn(m, d), torch.arange(m, device=DEVICE), randn(3))
+
+
+# -- out-of-range targets -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [10, -5, 10**6, -101])
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_cross_entropy_target_out_of_range_raises(bad: int, with_grad: bool) -> None:
+    """Targets must be ignore_index or in [0, V): they once gave the loss of a 0 target logit."""
+    import torch.nn.functional as F
+
+    if GPU:
+        pytest.skip("on the GPU the check is a device-side assert, which ends the CUDA context: "
+                    "test_cross_entropy_target_out_of_range_asserts_on_the_gpu")
+    x, w = randn(4, 8).requires_grad_(with_grad), randn(10, 8)
+    target = torch.tensor([0, 9, bad, -100], device=DEVICE)
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.cross_entropy(F.linear(x, w), target)  # what PyTorch does
+    with pytest.raises(IndexError, match=rf"linear_cross_entropy: target {bad} is out of bounds for 10 classes"):
+        coda.ops.linear_cross_entropy(x, w, target)
+
+
+def test_cross_entropy_ignore_index_may_lie_outside_the_classes() -> None:
+    import torch.nn.functional as F
+
+    x, w = randn(4, 8), randn(10, 8)
+    for ignore in (10, 10**6, -1, 3):
+        target = torch.tensor([0, ignore, 9, ignore], device=DEVICE)
+        want = F.cross_entropy(F.linear(x, w), target, ignore_index=ignore)
+        torch.testing.assert_close(coda.ops.linear_cross_entropy(x, w, target, ignore_index=ignore), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not GPU, reason="the GPU's device-side assert")
+def test_cross_entropy_target_out_of_range_asserts_on_the_gpu() -> None:
+    """In a child process: the device-side assert fails the next synchronization loudly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, coda\n"
+        "x, w = torch.randn(4, 64, device='cuda'), torch.randn(128, 64, device='cuda')\n"
+        "t = torch.tensor([0, 1, 128, 2], device='cuda')\n"
+        "print(coda.ops.linear_cross_entropy(x, w, t).item())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "device-side assert" in done.stderr, done.stderr[-2000:]

@@ -412,3 +412,39 @@ def test_cross_entropy_target_out_of_range_asserts_on_the_gpu() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "device-side assert" in done.stderr, done.stderr[-2000:]
+
+
+def test_python_int_scalar_too_large_for_a_float() -> None:
+    @coda.epilogue
+    def scaled(acc, s: coda.Scalar):
+        return acc * s
+
+    with pytest.raises(ValueError, match=r"operand 's' \(Scalar\) is 1000.*, too large for a float"):
+        coda.gemm(_eye(2), _eye(2), scaled, s=10**400)
+    torch.testing.assert_close(coda.gemm(_eye(2), _eye(2), scaled, s=10**40), scaled.reference(_eye(2), _eye(2), s=10**40),
+                               equal_nan=True)
+
+
+# No denormal results (the GPU may flush them): |x| <= 80 keeps exp(-x) normal.
+_SPECIAL = [float("inf"), -float("inf"), float("nan"), -0.0, 0.0, 100.0, -100.0, 1e-30, 80.0, -80.0, 3e38, -3e38]
+
+
+@pytest.mark.parametrize("fn", ["exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh", "relu", "abs",
+                                "square", "neg"])
+def test_unary_special_values_match_the_reference(fn: str) -> None:
+    """inf, -inf, NaN, signed zeros, tiny and near-overflow values, as the fp32 torch oracle: the
+    same NaN/inf pattern and signs; finite values within 128 fp32 ulps (the GPU's exp is ex2 of
+    a rounded x * log2(e): exp(80) amplifies that rounding about 55-fold)."""
+    op = (lambda v: -v) if fn == "neg" else getattr(coda, fn)
+
+    def special(acc, g: coda.Tile):
+        return op(acc + g)
+
+    special.__name__ = f"special_{fn}"
+    ep = coda.epilogue(special)
+    a, b, g = torch.zeros(1, 2, device=DEVICE), torch.zeros(2, len(_SPECIAL), device=DEVICE), torch.tensor([_SPECIAL], device=DEVICE)
+    out, ref = coda.gemm(a, b, ep, g=g), ep.reference(a, b, g=g)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+    nonzero = ~ref.isnan() & (ref != 0)  # the sign of a zero result may differ (gelu(-100): -0.0 here, 0.0 in torch)
+    assert torch.equal(torch.signbit(out[nonzero]), torch.signbit(ref[nonzero]))
+    torch.testing.assert_close(out, ref, rtol=128 * 2.0**-23, atol=0.0, equal_nan=True)

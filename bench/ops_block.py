@@ -191,8 +191,8 @@ def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
             "native_params": native_params, "native_error": native_error, "fwd": fwd, "bwd": bwd}
 
 
-def bench_block(m: int, d: int, f: int) -> None:
-    c = block_case(m, d, f)
+def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
+    c = block_case(m, d, f, heads, kv)
     shape = (m, d, f)
     gemms_sum("block_fwd", shape, c["fwd"])
     gemms_sum("block_fwdbwd", shape, c["fwd"] + c["bwd"])

@@ -395,7 +395,6 @@ INPUTS: dict[str, tuple[Callable[[dict], None], type[Exception], str]] = {
     "dtype_mismatch": (_set(b=lambda kw: kw["b"].bfloat16()), ValueError, r"a is torch.float32 but b is torch.bfloat16"),
     "float64": (_set(a=lambda kw: kw["a"].double(), b=lambda kw: kw["b"].double()), TypeError, r"a has dtype torch.float64; supported: float16, bfloat16, float32"),
     "int_inputs": (_set(a=lambda kw: kw["a"].int(), b=lambda kw: kw["b"].int()), TypeError, r"a has dtype torch.int32"),
-    "empty_m": (_set(a=lambda kw: randn(0, K)), ValueError, r"empty output \(M=0, N=22\)"),
     "missing_operand": (_drop("r"), TypeError, r"epilogue 'affine' is missing operand\(s\): r \(VecM\)"),
     "unknown_operand": (_set(q=lambda kw: randn(M)), TypeError, r"got unknown operand\(s\) 'q'; it takes: r, c, t, s"),
     "vec_m_wrong_length": (_set(r=lambda kw: randn(M + 1)), ValueError, r"operand 'r' \(VecM\) must have shape \[19\], got \[20\]"),

@@ -98,7 +98,11 @@ class EpilogueEmitter:
         spec, form = self.kinds[node.name], self.forms[node.name]
         base = f"in_{node.name}"
         if spec.kind == Kind.SCALAR and form.dtype is None:
-            return base, "f32"
+            # A Python float reaches the GPU kernel as fp32 (1e39 becomes inf); the interpreter
+            # passes it as a Python float, which Triton would type fp64 when out of fp32 range.
+            if self.spec.interpret:
+                return f"tl.cast({base}_val, tl.float32)", "f32"
+            return f"{base}_val", "f32"
         ns = self.ns
         if spec.kind == Kind.SCALAR:
             expr = f"{ns}.load({base}_ptr)"
@@ -215,7 +219,8 @@ class EpilogueEmitter:
         c, mk = self._col_names(width)
         x = self.f32(out.x)
         ns = self.ns
-        base, r = f"out_{out.name}", f"red_{out.name}"
+        base, p = f"out_{out.name}", f"red_{out.name}"
+        r = f"{p}_r"  # its temporaries are {p}_nan, {p}_max, {p}_cols: one suffix each (spec.py)
         if out.axis == "m":
             return [
                 f"{r} = {ns}.sum({ns}.where(mask_m[:, None], {x}, 0.0), axis=0)",
@@ -231,14 +236,15 @@ class EpilogueEmitter:
             lines.append(f"{r} = {ns}.sum({r}, axis={axis})")
         elif out.op == "max":  # tl.max drops NaN; torch.amax (the oracle) propagates it
             lines += [
-                f"{r}_nan = {ns}.sum(({r} != {r}).to({ns}.int32), axis={axis}) > 0",
-                f'{r} = {ns}.where({r}_nan, float("nan"), {ns}.max({r}, axis={axis}))',
+                f"{p}_nan = {ns}.sum(({r} != {r}).to({ns}.int32), axis={axis}) > 0",
+                f'{r} = {ns}.where({p}_nan, float("nan"), {ns}.max({r}, axis={axis}))',
             ]
         else:
             lines += [
-                f"{r}_max = {ns}.max({r}, axis={axis})",
-                f'{r}_max = {ns}.where({r}_max == float("-inf"), 0.0, {r}_max)',
-                f"{r} = {r}_max + {ns}.log({ns}.sum({ns}.exp({r} - {ns}.expand_dims({r}_max, {axis})), axis={axis}))",
+                f"{p}_max = {ns}.max({r}, axis={axis})",
+                # shift by 0 when the max is +-inf (as torch.logsumexp): inf - inf would be NaN
+                f'{p}_max = {ns}.where({ns}.abs({p}_max) == float("inf"), 0.0, {p}_max)',
+                f"{r} = {p}_max + {ns}.log({ns}.sum({ns}.exp({r} - {ns}.expand_dims({p}_max, {axis})), axis={axis}))",
             ]
         if out.group is not None:  # back from the reshape's layout to the epilogue's
             relaid = self.d.relayout(r)
@@ -249,9 +255,9 @@ class EpilogueEmitter:
         else:
             g = out.group
             lines += [
-                f"{r}_cols = {col_start(width)} // {g} + {self.d.arange(f'{cols(width)} // {g}', 'n')}",
-                f"{ns}.store({base}_ptr + rows[:, None] * {base}_s0 + {r}_cols[None, :] * {base}_s1, {r}, "
-                f"mask=mask_m[:, None] & ({r}_cols[None, :] < {n_total(width)} // {g}))",
+                f"{p}_cols = {col_start(width)} // {g} + {self.d.arange(f'{cols(width)} // {g}', 'n')}",
+                f"{ns}.store({base}_ptr + rows[:, None] * {base}_s0 + {p}_cols[None, :] * {base}_s1, {r}, "
+                f"mask=mask_m[:, None] & ({p}_cols[None, :] < {n_total(width)} // {g}))",
             ]
         return lines
 

@@ -15,7 +15,7 @@ from ..ir.nodes import InterleaveNode, PairNode, ReduceOutput
 from ..ir.types import Kind
 from ..templates import EPILOGUE_LOADER, GLUON_HOPPER_GEMM, fill
 from .epilogue import EpilogueEmitter, col_start
-from .names import kernel_args, kernel_name, partials_n
+from .names import comment_name, kernel_args, kernel_name, partials_n
 from .spec import Specialization
 
 
@@ -111,7 +111,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     return fill({
         "kernel_name": kernel_name(graph),
-        "epilogue_name": graph.name,
+        "epilogue_name": comment_name(graph),
         "epi_layout": _BLOCKED if reshapes(graph) else "MMA",
         "graph_hash": graph.hash,
         "args": "\n".join(f"{a}," for a in args),

@@ -10,8 +10,14 @@ from .spec import Specialization, operand_args, output_args
 
 
 def kernel_name(graph: Graph) -> str:
-    """`coda_<epilogue>`: the name profilers and Triton's errors show for this kernel."""
-    return "coda_" + re.sub(r"\W", "_", graph.name)
+    """`coda_<epilogue>`: the name profilers and Triton's errors show for this kernel (other
+    characters than ASCII letters, digits and _ become _: the name is code, and PTX's)."""
+    return "coda_" + re.sub(r"[^0-9A-Za-z_]", "_", graph.name)
+
+
+def comment_name(graph: Graph) -> str:
+    """The epilogue's name as the generated source's header comment shows it (no line breaks)."""
+    return graph.name.encode("unicode_escape").decode("ascii")
 
 
 def kernel_args(graph: Graph, spec: Specialization) -> list[str]:

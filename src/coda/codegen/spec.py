@@ -54,11 +54,16 @@ def width_suffix(width: Fraction) -> str:
     return {Fraction(1, 2): "nh", Fraction(1): "n1", Fraction(2): "n2"}[width]
 
 
+# Every generated name is a fixed prefix, the user's name, then one suffix without an
+# underscore ("in_x_ptr", "in_x_s0", "in_x_val", "red_x_max"): since the suffix is what follows
+# the last underscore, two different user names never give the same generated name.
+
+
 def operand_args(spec: OperandSpec, form: OperandForm) -> list[str]:
     """Kernel argument names for one operand, in order."""
     base = f"in_{spec.name}"
     if spec.kind == Kind.SCALAR:
-        return [base] if form.dtype is None else [f"{base}_ptr"]
+        return [f"{base}_val"] if form.dtype is None else [f"{base}_ptr"]
     if spec.kind == Kind.TILE:
         return [f"{base}_ptr", f"{base}_s0", f"{base}_s1"]
     return [f"{base}_ptr", f"{base}_s0"]

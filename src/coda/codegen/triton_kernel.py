@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..ir.graph import Graph
 from ..templates import PERSISTENT_GEMM, fill
 from .epilogue import EpilogueEmitter
-from .names import kernel_args, kernel_name, partials_n
+from .names import comment_name, kernel_args, kernel_name, partials_n
 from .spec import Specialization
 
 _A_LOADS = {
@@ -51,7 +51,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     return fill({
         "kernel_name": kernel_name(graph),
-        "epilogue_name": graph.name,
+        "epilogue_name": comment_name(graph),
         "graph_hash": graph.hash,
         "args": "\n".join(f"{a}," for a in args),
         "load_a": "\n".join(load_a),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
+import unicodedata
 from fractions import Fraction
 from functools import cached_property
 
@@ -26,6 +27,10 @@ RESERVED_NAMES = frozenset({"a", "b", "acc", "out", "epilogue"})
 def check_name(name: str, what: str) -> None:
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
         raise ValueError(f"{what} {name!r} is not a valid name (a Python identifier not starting with '_')")
+    normal = unicodedata.normalize("NFKC", name)
+    if normal != name:
+        # Python reads identifiers in NFKC form: the generated kernel would name it otherwise.
+        raise ValueError(f"{what} {name!r} is not in NFKC normal form (Python reads it as {normal!r}); use {normal!r}")
 
 
 def infer(node: object, types: dict[int, tuple[Kind, Fraction]]) -> tuple[Kind, Fraction]:

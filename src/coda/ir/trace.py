@@ -28,8 +28,14 @@ class Tracer:
         self.nodes: list = []
         self.types: dict[int, tuple[Kind, Fraction]] = {}
         self._seen: dict[tuple, int] = {}
+        self.finished = False
 
     def add(self, cls: type, **fields: object) -> "Value":
+        if self.finished:
+            raise ValueError(
+                "a value of an epilogue whose tracing has finished was used (a value leaked from another "
+                "epilogue's trace?); build each epilogue from its own accumulator and operands"
+            )
         # float.hex keeps 0.0 and -0.0 (equal as floats) apart; they are different programs.
         key = (cls.__name__, tuple(sorted((f, v.hex() if isinstance(v, float) else v) for f, v in fields.items())))
         if key in self._seen:
@@ -257,8 +263,8 @@ def signature_operands(fn: Callable) -> dict[str, OperandSpec]:
     except NameError as exc:
         raise TypeError(f"epilogue {name!r}: cannot evaluate an annotation: {exc}") from exc
     params = list(sig.parameters.values())
-    if not params:
-        raise TypeError(f"epilogue {name!r} must take the accumulator as its first parameter")
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        raise TypeError(f"epilogue {name!r} must take the accumulator as its first parameter (a positional one)")
     specs: dict[str, OperandSpec] = {}
     for i, p in enumerate(params):
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -293,14 +299,26 @@ def trace(fn: Callable) -> Graph:
     operands = signature_operands(fn)
     tracer = Tracer(operands)
     acc = tracer.add(InputNode, name="acc")
-    args = [tracer.add(InputNode, name=n) for n in operands]
+    values = {n: tracer.add(InputNode, name=n) for n in operands}
+    keyword_only = {p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY}
+    args = [v for n, v in values.items() if n not in keyword_only]
+    kwargs = {n: v for n, v in values.items() if n in keyword_only}
     token = _current.set(tracer)
     try:
-        result = fn(acc, *args)
+        result = fn(acc, *args, **kwargs)
     finally:
         _current.reset(token)
-    outputs, single = _collect_outputs(name, result)
-    return _finish(tracer, name, operands, outputs, single)
+    try:
+        outputs, single = _collect_outputs(name, result)
+        for key, v in outputs:
+            if (v.x if isinstance(v, Reduction) else v).tracer is not tracer:
+                raise ValueError(
+                    f"epilogue {name!r}: output {key!r} is a value from another epilogue's trace; "
+                    "outputs must be computed from this epilogue's accumulator and operands"
+                )
+        return _finish(tracer, name, operands, outputs, single)
+    finally:
+        tracer.finished = True
 
 
 def _collect_outputs(name: str, result: object) -> tuple[list, bool]:

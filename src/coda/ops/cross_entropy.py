@@ -25,11 +25,26 @@ from .rowwise import cross_entropy_
 _REDUCTIONS = ("mean", "sum")
 
 
+def _check_targets(target: torch.Tensor, valid: torch.Tensor, v: int) -> None:
+    """Every target is ignore_index or in [0, V), as F.cross_entropy requires. On the CPU an
+    IndexError like PyTorch's; on the GPU a device-side assert (as F.cross_entropy's kernel
+    asserts): a few tiny kernels over the [tokens] targets and no host synchronization."""
+    in_range = (target >= 0) & (target < v)
+    if target.device.type != "cuda":
+        bad = valid & ~in_range
+        if bad.any():
+            raise IndexError(f"linear_cross_entropy: target {target[bad][0].item()} is out of bounds "
+                             f"for {v} classes (and is not ignore_index)")
+        return
+    torch._assert_async((in_range | ~valid).all(), "linear_cross_entropy: a target is out of bounds")
+
+
 @torch.library.custom_op("coda::linear_cross_entropy_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
          with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, G) where G is the logits' gradient per unit dloss (empty without with_grad)."""
     valid = target != ignore_index
+    _check_targets(target, valid, weight.shape[0])
     count = valid.sum()
     if with_grad:
         weight_row = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)

@@ -1,7 +1,9 @@
 """rmsnorm_linear(x, g, W) = F.linear(F.rms_norm(x, g), W), with the norm inside the GEMMs.
 
-Forward: one row pass gives rstd and h = x*g, then h @ W.T with the row scale in the
-epilogue (TRANSFORMER.md 1; in a block the producer GEMM's epilogue writes h and rstd).
+Forward: one row pass gives rstd and h = x*rstd*g (the norm's output, rounded once to
+x.dtype as F.rms_norm stores it), then a plain GEMM h @ W.T. (In a block the producer GEMM's
+epilogue writes h = x*g before rstd is known and the consumer scales rows in its epilogue,
+TRANSFORMER.md 1; standalone, the row pass knows rstd, and x*g alone can overflow fp16.)
 Backward: one GEMM dy @ W whose epilogue gives u = r*g*gq, the normalized input, the row
 term zdz = sum_j y_j gq_j and dg partials (section 5; dy comes from the caller, so zdz is
 reduced here rather than where dy was made), a row pass dx = u - r^2 * x * zdz / D, then
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
-from .epilogues import rmsnorm_backward_rowterm, row_scale
+from .epilogues import rmsnorm_backward_rowterm
 from .rowwise import rms_input_grad, rms_prep
 
 
@@ -27,8 +29,8 @@ def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> 
 
 @torch.library.custom_op("coda::rmsnorm_linear_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h, rstd = rms_prep(x, norm_weight, eps)
-    return gemm(h, weight.T, row_scale, rstd=rstd), rstd
+    h, rstd = rms_prep(x, norm_weight, eps)  # h = F.rms_norm(x): rstd is known in this pass already
+    return gemm(h, weight.T), rstd
 
 
 @_fwd.register_fake

@@ -2,7 +2,8 @@
 tensor the GEMMs cannot produce in their epilogues (their inputs come from the user or
 need a statistic of a whole row first). One program per row; the row lies in one block.
 
-* `rms_prep`: rstd and h = x * g for a standalone RMSNorm in front of a GEMM;
+* `rms_prep`: rstd and h = x * rstd * g (the norm's output) for a standalone RMSNorm in
+  front of a GEMM;
 * `rms_input_grad`: dx = u - rstd^2 * zdz / D * x, the RMSNorm backward's row correction;
 * `cross_entropy_`: per-row logsumexp and target logit of stored logits, which it turns into
   (softmax - onehot) * scale in place;
@@ -28,16 +29,18 @@ def _cast(x, OUT: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def _rms_prep_kernel(x_ptr, g_ptr, h_ptr, rstd_ptr, D, stride_x, stride_h, eps,
+def _rms_prep_kernel(x_ptr, g_ptr, h_ptr, rstd_ptr, D, stride_x, stride_g, stride_h, eps,
                      BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + cols * stride_g, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     tl.store(rstd_ptr + row, rstd)
-    tl.store(h_ptr + row * stride_h + cols, _cast(x * g, OUT, RNE), mask=mask)
+    # (x * rstd) * g, rounded once, as F.rms_norm computes and stores it: x * g alone can
+    # exceed the fp16 range where the normalized value does not.
+    tl.store(h_ptr + row * stride_h + cols, _cast((x * rstd) * g, OUT, RNE), mask=mask)
 
 
 @triton.jit
@@ -59,15 +62,20 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
     # the row again (from L2 when it is still there) and writes the gradient over it.
     row = tl.program_id(0).to(tl.int64)
     base = l_ptr + row * stride_l
+    # The sum is kept relative to a shift: the running max, or 0 while that is +-inf (as
+    # torch.logsumexp does), since inf - inf would make a row holding +-inf NaN.
     m = tl.full((), float("-inf"), tl.float32)
+    shift = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+        m = tl.maximum(m, tl.max(x, axis=0))
+        shift_new = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+        # The shift falls only from -inf (s is 0) or to +inf (s becomes inf): no rescale then.
+        s = s * tl.exp(tl.minimum(shift - shift_new, 0.0)) + tl.sum(tl.exp(x - shift_new), axis=0)
+        shift = shift_new
+    lse = shift + tl.log(s)
     target = tl.load(target_ptr + row)
     hit = (target >= 0) & (target < V)
     tlogit = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0).to(tl.float32)
@@ -113,14 +121,24 @@ def _rows(t: torch.Tensor, what: str) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _vector(t: torch.Tensor, length: int, what: str) -> torch.Tensor:
+    """A contiguous [length] tensor (the kernels index vectors with unit stride)."""
+    if tuple(t.shape) != (length,):
+        raise ValueError(f"{what} must have shape [{length}], got {list(t.shape)}")
+    return t.contiguous()
+
+
 def rms_prep(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rstd): h = x * g in x.dtype, rstd = rsqrt(mean(x^2) + eps) fp32 per row, in one pass."""
+    """(h, rstd): rstd = rsqrt(mean(x^2) + eps) fp32 per row and h = x * rstd * g in x.dtype
+    (F.rms_norm's output), in one pass. norm_weight may be strided or expanded."""
     x = _rows(x, "rms_prep: x")
     m, d = x.shape
+    if norm_weight.shape != (d,):
+        raise ValueError(f"rms_prep: norm_weight must have shape [{d}], got {list(norm_weight.shape)}")
     h = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if m:
-        _rms_prep_kernel[(m,)](x, norm_weight, h, rstd, d, x.stride(0), h.stride(0), eps,
+        _rms_prep_kernel[(m,)](x, norm_weight, h, rstd, d, x.stride(0), norm_weight.stride(0), h.stride(0), eps,
                                BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
     return h, rstd
 
@@ -129,9 +147,12 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
     """dx = u - c[:, None] * x in x.dtype (u fp32, c fp32 per row)."""
     u, x = _rows(u, "rms_input_grad: u"), _rows(x, "rms_input_grad: x")
     m, d = x.shape
+    if u.shape != x.shape:
+        raise ValueError(f"rms_input_grad: u {list(u.shape)} and x {list(x.shape)} must have one shape")
+    c = _vector(c, m, "rms_input_grad: c")
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if m:
-        _rms_input_grad_kernel[(m,)](u, x, c.contiguous(), dx, d, u.stride(0), x.stride(0), dx.stride(0),
+        _rms_input_grad_kernel[(m,)](u, x, c, dx, d, u.stride(0), x.stride(0), dx.stride(0),
                                      BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
     return dx
 
@@ -143,10 +164,13 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("cross_entropy_: logits must be 2-D with contiguous rows")
     m, v = logits.shape
+    if m > 1 and logits.stride(0) < v:
+        raise ValueError("cross_entropy_: logits rows overlap (an expanded view?); they are written in place")
+    target, scale = _vector(target, m, "cross_entropy_: target"), _vector(scale, m, "cross_entropy_: scale")
     lse = torch.empty(m, device=logits.device, dtype=torch.float32)
     tlogit = torch.empty_like(lse)
     if m:
-        _cross_entropy_kernel[(m,)](logits, target.contiguous(), scale.contiguous(), lse, tlogit, v, logits.stride(0),
+        _cross_entropy_kernel[(m,)](logits, target, scale, lse, tlogit, v, logits.stride(0),
                                     BLOCK=min(4096, triton.next_power_of_2(v)), num_warps=8,
                                     **_out_args(logits.dtype))
     return lse, tlogit
@@ -160,10 +184,13 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     equals the pre-rotation input's dot with its gradient (the RMSNorm backward's row term)."""
     dz, z = _rows(dz, "rope_backward: dz"), _rows(z, "rope_backward: z")
     m, n = dz.shape
+    if z.shape != dz.shape or n % 2:
+        raise ValueError(f"rope_backward: dz {list(dz.shape)} and z {list(z.shape)} must have one shape, N even")
+    pos, freq = _vector(pos, m, "rope_backward: pos"), _vector(freq.float(), n // 2, "rope_backward: freq")
     out = torch.empty_like(dz, memory_format=torch.contiguous_format)
     zdz = torch.empty(m, device=dz.device, dtype=torch.float32)
     if m:
-        _rope_backward_kernel[(m,)](dz, z, pos.contiguous(), freq.float().contiguous(), out, zdz, n // 2,
+        _rope_backward_kernel[(m,)](dz, z, pos, freq, out, zdz, n // 2,
                                     dz.stride(0), z.stride(0), out.stride(0),
                                     BLOCK=triton.next_power_of_2(n // 2), **_out_args(dz.dtype))
     return out, zdz

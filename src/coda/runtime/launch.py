@@ -17,6 +17,7 @@ from . import autotune, choose
 from .cache import stats
 from .config import Config, check_config, default_config
 from .device import interpreting, num_programs
+from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
 from .specialize import kernel_for, specialize
 from .validate import Call, validate
@@ -39,6 +40,11 @@ def run(
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         call = validate(graph, a, b, operands, out, interpret)
+        if is_degenerate(call):  # M, N or K is 0: never planned, so every such call comes here
+            if call.m and call.n:
+                cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, 1)  # no tuning
+                return run(graph, *zero_k_inputs(call), operands, out=out, config=cfg)
+            return empty_outputs(call)
         cfg = config or choose.pick_config(call, interpret, _tuning_launch)
         check_config(graph, cfg)
         plan = make_plan(call, cfg, interpret)

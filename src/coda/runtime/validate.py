@@ -92,8 +92,6 @@ def validate(
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         raise ValueError(f"coda.gemm: a is [M, K] = {list(a.shape)} but b is [K, N] = {list(b.shape)}; K differs")
-    if m == 0 or n == 0:
-        raise ValueError(f"coda.gemm: empty output (M={m}, N={n}) is not supported")
 
     name = graph.name
     if graph.uses_width(Fraction(1, 2)) and n % 2:
@@ -128,7 +126,10 @@ def validate(
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"coda.gemm: {what} must be a Python number or a 0-d tensor, got {type(value).__name__}")
             forms.append(OperandForm(name=s.name))
-            values[s.name] = float(value)
+            try:
+                values[s.name] = float(value)
+            except OverflowError:
+                raise ValueError(f"coda.gemm: {what} is {value}, too large for a float") from None
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"coda.gemm: {what} must be a torch.Tensor, got {type(value).__name__}")

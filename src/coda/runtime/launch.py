@@ -20,6 +20,8 @@ from .cache import load_kernel, stats
 from .config import HOPPER_SMEM_BYTES, Config, check_config, default_config, ring_bytes, staging_bytes
 from .device import device_name, interpreting, num_programs
 from .plan import Plan
+from . import guard
+from .threads import build_lock
 from .validate import IN_DTYPES, Call, validate
 
 
@@ -144,15 +146,16 @@ def run(
     key = _call_key(graph, a, b, operands, out, config)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
-        call = validate(graph, a, b, operands, out, interpret)
-        cfg = config or _pick_config(call, interpret)
-        check_config(graph, cfg)
-        plan = make_plan(call, cfg, interpret)
-        if key is not None:
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
-        return plan.execute(call.a, call.b, call.operands, call.out)[0]
+        with build_lock:  # one thread at a time builds (and tunes, compiles): coda.runtime.threads
+            call = validate(graph, a, b, operands, out, interpret)
+            cfg = config or _pick_config(call, interpret)
+            check_config(graph, cfg)
+            plan = make_plan(call, cfg, interpret)
+            if key is not None:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[key] = plan
+            return plan.execute(call.a, call.b, call.operands, call.out)[0]
     stats["memory_hits"] += 1
     return plan.execute(a, b, operands, _out_dict(graph, out))[0]
 
@@ -247,7 +250,7 @@ def make_plan(call: Call, cfg: Config, interpret: bool) -> Plan:
 
 def gemm(a: object, b: object, epilogue: object = None, *, out: object = None, **operands: object):
     """epilogue(a @ b) in one persistent GEMM kernel. See coda's README for the contract."""
-    return run(graph_of(epilogue), a, b, operands, out=out)
+    return guard.gemm(a, b, epilogue, out, operands)  # autograd, aliasing, torch.compile: coda.runtime.guard
 
 
 def graph_of(epilogue: object) -> Graph:

@@ -29,9 +29,10 @@ _ENUMERATE_MAX = 1 << 16  # rows (or elements) an exact test may walk before it 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) byte addresses of t's elements (t non-empty)."""
-    start = t.data_ptr()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return start, start + (last + 1) * t.element_size()
+    start, last = t.data_ptr(), 1
+    for n, s in zip(t.size(), t.stride()):
+        last += (n - 1) * s
+    return start, start + last * t.element_size()
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -85,10 +86,15 @@ def _rows_meet(r: tuple[int, int, int, int], u: tuple[int, int, int, int]) -> bo
 
 def overlaps(t: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether t and u share a byte of memory (conservatively True when undecidable)."""
-    if t.numel() == 0 or u.numel() == 0 or t.device != u.device:
+    if t.numel() == 0 or u.numel() == 0:
         return False
     (t0, t1), (u0, u1) = _span(t), _span(u)
-    if t1 <= u0 or u1 <= t0:
+    return not (t1 <= u0 or u1 <= t0) and _meet(t, u)
+
+
+def _meet(t: torch.Tensor, u: torch.Tensor) -> bool:
+    """Exact test for two non-empty tensors whose address ranges intersect."""
+    if t.device != u.device:
         return False
     rt, ru = _rows(t), _rows(u)
     if rt is not None and ru is not None:
@@ -134,30 +140,28 @@ def check_out(
 ) -> None:
     """Raise ValueError if an out= tensor overlaps itself, another output, or anything the call
     reads other than a Tile operand (named in `tiles`) that is exactly that output."""
-    outs = [(k, t) for k, t in out.items() if isinstance(t, torch.Tensor)]
+    outs = [(k, t, _span(t)) for k, t in out.items() if isinstance(t, torch.Tensor) and t.numel()]
     if not outs:
         return
-    tiles = set(tiles)
-    reads = [("a", a, False), ("b", b, False)] + [
-        (f"operand {k!r}", v, k in tiles) for k, v in operands.items()
-    ]
-    reads = [(w, t, tile) for w, t, tile in reads if isinstance(t, torch.Tensor)]
-    for i, (name, t) in enumerate(outs):
+    reads = [("a", a, False), ("b", b, False)] + [(k, v, k in tiles) for k, v in operands.items()]
+    reads = [(w, t, tile, _span(t)) for w, t, tile in reads if isinstance(t, torch.Tensor) and t.numel()]
+    for i, (name, t, (t0, t1)) in enumerate(outs):
         if t.numel() > 1 and self_overlapping(t):
             raise ValueError(
                 f"coda.gemm: out[{name!r}] has elements that share memory (an expanded or overlapping view, "
                 f"strides {list(t.stride())}); pass a tensor whose elements are distinct, e.g. .contiguous()"
             )
-        for other, u in outs[:i]:
-            if overlaps(t, u):
+        for other, u, (u0, u1) in outs[:i]:
+            if t0 < u1 and u0 < t1 and _meet(t, u):
                 raise ValueError(
                     f"coda.gemm: out[{name!r}] and out[{other!r}] share memory; each output needs its own tensor"
                 )
-        for what, u, tile in reads:
-            if not overlaps(t, u):
+        for what, u, tile, (u0, u1) in reads:
+            if not (t0 < u1 and u0 < t1 and _meet(t, u)):
                 continue
             if tile and _same_view(t, u):
                 continue
+            what = what if u is a or u is b else f"operand {what!r}"
             hint = (" (a Tile operand may be the output itself, for in-place accumulation, only as the very same "
                     "view: same storage offset, shape, strides and dtype)") if tile else ""
             raise ValueError(

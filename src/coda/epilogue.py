@@ -9,6 +9,7 @@ import torch
 
 from .ir import Graph, evaluate, trace
 from .runtime import interpreting, source as _source
+from .runtime.custom_op import register
 from .runtime.validate import validate
 
 
@@ -18,6 +19,7 @@ class Epilogue:
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
         self.graph: Graph = trace(fn)
+        self._coda_signature = register(self.graph)  # names it to torch.compile (coda.runtime.custom_op)
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
 from ..ir.types import Kind
 from .cache import atomic_write, cache_dir
+from .env import env_flag
 from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
 from .config import (Config, check_config, default_config, gluon_scratch_bytes, min_block_n, ring_bytes, store_bytes,
                      tile_load_bytes)
@@ -196,7 +197,7 @@ def store_entry(entry: TuneEntry) -> None:
 
 
 def _say(msg: str) -> None:
-    if os.environ.get("CODA_TUNE_QUIET", "0") in ("", "0"):
+    if not env_flag("CODA_TUNE_QUIET"):
         print(f"[coda tune] {msg}", file=sys.stderr, flush=True)
 
 

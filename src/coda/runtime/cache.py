@@ -21,6 +21,7 @@ from types import ModuleType
 from .. import __version__
 from ..codegen import Specialization, generate
 from ..ir.graph import Graph
+from .env import cache_root
 from .fingerprint import GENERATOR
 
 stats: Counter = Counter()  # "generated", "disk_hits", "memory_hits"
@@ -29,8 +30,7 @@ _lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("CODA_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "coda"
+    return cache_root()  # CODA_CACHE_DIR expanded, or a temporary directory when unwritable: runtime/env.py
 
 
 def kernel_key(graph: Graph, spec: Specialization) -> str:

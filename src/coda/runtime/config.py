@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..codegen.gluon_kernel import reshapes
 from ..ir.graph import Graph
@@ -58,18 +58,30 @@ class Config(BaseModel):
     block_n: int = Field(ge=16)
     block_k: int = Field(ge=16)
     group_m: int = Field(default=8, ge=1)
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 4  # a power of two, 1..32 (Triton's limit: 1024 threads per block)
+    num_stages: int = Field(default=3, ge=1)
     flatten: bool = False  # tl.range(flatten=True): pipeline across the tile loop too
     tma_store: bool = True  # store tile outputs through TMA descriptors where legal (no pointer tiles)
     # The epilogue runs on BLOCK_N // subtile columns at a time: a heavy epilogue's temporaries
     # then need a fraction of the registers, so it can follow a wide (128x256) accumulator.
     subtile: int = Field(default=1, ge=1)
 
-    def model_post_init(self, _context: object) -> None:
-        for name in ("block_m", "block_n", "block_k", "subtile"):
-            if not _pow2(getattr(self, name)):
-                raise ValueError(f"Config.{name} must be a power of two, got {getattr(self, name)}")
+    @field_validator("num_warps")
+    @classmethod
+    def _warps(cls, v: int) -> int:
+        if not (_pow2(v) and v <= 32):
+            raise ValueError(f"Config.num_warps must be a power of two from 1 to 32, got {v}")
+        return v
+
+    @field_validator("block_m", "block_n", "block_k", "subtile")
+    @classmethod
+    def _pow2_field(cls, v: int, info) -> int:
+        if not _pow2(v):
+            raise ValueError(f"Config.{info.field_name} must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _subtiles(self) -> "Config":
         if self.epi_n < 16:
             raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
         if self.backend == "gluon-hopper":
@@ -80,6 +92,7 @@ class Config(BaseModel):
                 raise ValueError(f"Config: gluon-hopper tiles need block_m 64 or 128, at most 256 columns per "
                                  f"subtile and block_m * block_n <= 16384 (two accumulators in registers), got "
                                  f"{self.block_m}x{self.block_n} subtile {self.subtile}")
+        return self
 
     @property
     def epi_n(self) -> int:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from .._platform import INTERPRET
+from .env import env_int
 
 
 def interpreting() -> bool:
@@ -24,7 +24,7 @@ def num_programs(device: torch.device) -> int:
     """Persistent-grid width: the SM count, or a few programs under the interpreter
     (enough to exercise the persistent tile loop; set CODA_INTERPRET_PROGRAMS to change)."""
     if interpreting():
-        return max(1, int(os.environ.get("CODA_INTERPRET_PROGRAMS", "3")))
+        return env_int("CODA_INTERPRET_PROGRAMS", 3)
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -19,7 +19,9 @@ from .config import Config, check_config, default_config
 from .device import interpreting, num_programs
 from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
+from . import guard
 from .specialize import kernel_for, specialize
+from .threads import build_lock
 from .validate import Call, validate
 
 
@@ -39,20 +41,21 @@ def run(
     key = _call_key(graph, a, b, operands, out, config)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
-        call = validate(graph, a, b, operands, out, interpret)
-        if is_degenerate(call):  # M, N or K is 0: never planned, so every such call comes here
-            if call.m and call.n:
-                cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, 1)  # no tuning
-                return run(graph, *zero_k_inputs(call), operands, out=out, config=cfg)
-            return empty_outputs(call)
-        cfg = config or choose.pick_config(call, interpret, _tuning_launch)
-        check_config(graph, cfg)
-        plan = make_plan(call, cfg, interpret)
-        if key is not None:
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
-        return plan.execute(call.a, call.b, call.operands, call.out)[0]
+        with build_lock:  # one thread at a time builds (and tunes, compiles): coda.runtime.threads
+            call = validate(graph, a, b, operands, out, interpret)
+            if is_degenerate(call):  # M, N or K is 0: never planned, so every such call comes here
+                if call.m and call.n:
+                    cfg = config or default_config(graph, call.in_dtype, interpret, call.m, call.n, 1)  # no tuning
+                    return run(graph, *zero_k_inputs(call), operands, out=out, config=cfg)
+                return empty_outputs(call)
+            cfg = config or choose.pick_config(call, interpret, _tuning_launch)
+            check_config(graph, cfg)
+            plan = make_plan(call, cfg, interpret)
+            if key is not None:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[key] = plan
+            return plan.execute(call.a, call.b, call.operands, call.out)[0]
     stats["memory_hits"] += 1
     return plan.execute(a, b, operands, _out_dict(graph, out))[0]
 
@@ -108,7 +111,7 @@ def make_plan(call: Call, cfg: Config, interpret: bool) -> Plan:
 
 def gemm(a: object, b: object, epilogue: object = None, *, out: object = None, **operands: object):
     """epilogue(a @ b) in one persistent GEMM kernel. See coda's README for the contract."""
-    return run(graph_of(epilogue), a, b, operands, out=out)
+    return guard.gemm(a, b, epilogue, out, operands)  # autograd, aliasing, torch.compile: coda.runtime.guard
 
 
 def graph_of(epilogue: object) -> Graph:

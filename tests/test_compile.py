@@ -1,0 +1,100 @@
+"""A user's own epilogue under torch.compile(fullgraph=True), and coda.gemm from threads."""
+
+import threading
+
+import pytest
+import torch
+
+import coda
+from conftest import DEVICE, assert_close, randn
+
+M, N, K = 20, 24, 16
+
+
+@coda.epilogue
+def add(acc, g: coda.Tile):
+    return acc + g
+
+
+@coda.epilogue
+def stats(acc, r: coda.VecM, s: coda.Scalar):
+    return {"z": acc * r * s, "lse": coda.reduce_n(acc, "logsumexp"), "half": coda.pairs(acc)[0]}
+
+
+def program(a, b, g, r):
+    y = coda.gemm(a, b, add, g=g)
+    o = coda.gemm(a, b, stats, r=r, s=0.5)
+    acc = torch.zeros(M, N, device=a.device)
+    coda.gemm(a, b, add, out=acc, g=acc)  # in place, through the custom op's mutation
+    p = coda.gemm(a, b)
+    return y.sin() + 1, o["z"], o["lse"], o["half"], acc, p
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return randn(M, K), randn(K, N), randn(M, N), torch.rand(M, device=DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_user_epilogue_fullgraph(backend):
+    a, b, g, r = _inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(program, fullgraph=True, backend=backend)
+    for got, want in zip(compiled(a, b, g, r), program(a, b, g, r)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want, a, b, backend)
+
+
+def test_compiled_out_dict_and_dynamic_shapes():
+    a, b, g, r = _inputs()
+
+    def f(a, b, r):
+        z = torch.empty(a.shape[0], b.shape[1], device=a.device)
+        o = coda.gemm(a, b, stats, out={"z": z}, r=r, s=2.0)
+        return o["z"] + 0, o["lse"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for m in (M, 12):
+        got, want = compiled(a[:m], b, r[:m]), f(a[:m], b, r[:m])
+        for x, y in zip(got, want):
+            assert_close(x, y, a, b, f"m={m}")
+
+
+def test_compiled_errors_are_the_eager_ones():
+    a, b, g, r = _inputs()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="operand 'g'"):
+        torch.compile(lambda a, b: coda.gemm(a, b, add, g=torch.zeros(M, N + 2)), fullgraph=True,
+                      backend="eager")(a, b)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="not differentiable"):
+        torch.compile(lambda a, b: coda.gemm(a, b), fullgraph=True, backend="eager")(a.requires_grad_(), b)
+
+
+def test_custom_op_checks():
+    a, b, g, r = _inputs()
+    torch.library.opcheck(torch.ops.coda.gemm.default, (add._coda_signature[0], a, b, [0], [g], [], [], [torch.empty(M, N)]))
+
+
+def test_threads():
+    """Several threads calling coda.gemm at once (under the interpreter: one launch at a time)."""
+    a, b, g, r = _inputs()
+    want = add.reference(a, b, g=g)
+    errors = []
+
+    def work(i: int) -> None:
+        try:
+            for j in range(3):
+                x = randn(M + i, K)  # distinct shapes: plans built concurrently
+                assert_close(coda.gemm(x, b), x @ b, x, b, "plain")
+                assert_close(coda.gemm(a, b, add, g=g), want, a, b, "add")
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

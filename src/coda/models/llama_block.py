@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import typing
 from dataclasses import dataclass
 from typing import Callable
@@ -56,6 +57,7 @@ class BlockWeights:
     n_kv_heads: int
     eps: float = 1e-6
     rope_base: float = 10000.0
+    rope_scaling: list[float] | None = None  # Llama 3: [factor, low_freq_factor, high_freq_factor, original_max_pos]
 
     @property
     def head_dim(self) -> int:
@@ -65,7 +67,7 @@ class BlockWeights:
         return (self.wo, self.g_ffn, self.w_gate, self.w_up, self.w_down, self.g_attn, self.wq, self.wk, self.wv)
 
     def inv_freq(self) -> torch.Tensor:
-        return _inv_freq(self.head_dim, self.rope_base, self.wq.device)
+        return inv_freq(self.head_dim, self.rope_base, self.rope_scaling, self.wq.device)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class NativeBlockWeights:
     n_kv_heads: int
     eps: float = 1e-6
     rope_base: float = 10000.0
+    rope_scaling: list[float] | None = None  # as in BlockWeights
 
     def __post_init__(self) -> None:
         rows, heads = self.w_qkv.shape[0], self.n_heads + 2 * self.n_kv_heads
@@ -108,7 +111,8 @@ class NativeBlockWeights:
         hd = w.head_dim
         w_qkv = torch.cat([permute_rope_rows(w.wq, w.n_heads, hd), permute_rope_rows(w.wk, w.n_kv_heads, hd), w.wv])
         return cls(w.wo, w.g_ffn, interleave_gate_up(w.w_gate, w.w_up), w.w_down, w.g_attn, w_qkv,
-                   n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base)
+                   n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base,
+                   rope_scaling=w.rope_scaling)
 
     def leaves(self) -> NativeBlockWeights:
         """The same values as fresh autograd leaves: what a model storing this layout holds as parameters."""
@@ -124,24 +128,46 @@ class NativeBlockWeights:
                             unpermute_rope_rows(self.w_qkv[:nq], self.n_heads, hd),
                             unpermute_rope_rows(self.w_qkv[nq:nq + nk], self.n_kv_heads, hd),
                             self.w_qkv[nq + nk:].contiguous(), n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                            eps=self.eps, rope_base=self.rope_base)
+                            eps=self.eps, rope_base=self.rope_base, rope_scaling=self.rope_scaling)
 
 
-def _inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
-    return base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...] | None = None,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE's per-pair frequencies base^(-2i/head_dim), with Llama 3's scaling when `scaling` is
+    [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings] (the rule of
+    transformers' "llama3" rope type: long wavelengths slowed by factor, short ones kept, a
+    smooth blend between)."""
+    inv = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv
+    factor, low, high, old_len = scaling
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rope_freq(w: NativeBlockWeights) -> torch.Tensor:
     """Per column pair of the fused qkv output: the pair's frequency, 0 for v."""
-    return _freq_table(w.head_dim, w.n_heads + w.n_kv_heads, w.n_kv_heads * w.head_dim // 2, w.rope_base,
-                       w.w_qkv.device)
+    return rope_freq_table(w.head_dim, w.n_heads, w.n_kv_heads, w.rope_base, w.rope_scaling, w.w_qkv.device)
+
+
+def rope_freq_table(head_dim: int, n_heads: int, n_kv_heads: int, base: float, scaling: list[float] | None,
+                    device: torch.device) -> torch.Tensor:
+    """The rms_rope epilogue's freq operand for a fused [q; k; v] projection."""
+    return _freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads * head_dim // 2, base,
+                       None if scaling is None else tuple(scaling), device)
 
 
 @functools.lru_cache(maxsize=64)
-def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, device: torch.device) -> torch.Tensor:
+def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, scaling: tuple[float, ...] | None,
+                device: torch.device) -> torch.Tensor:
     # Built once per configuration: the table is a constant, and building it is a handful of
     # small launches per forward and backward (the block's host time bounds it at D=2048).
-    inv = _inv_freq(head_dim, base, device)
+    inv = inv_freq(head_dim, base, scaling, device)
     return torch.cat([inv.repeat(rotated_heads), inv.new_zeros(v_pairs)])
 
 
@@ -180,14 +206,24 @@ _SIX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 
 def _forward(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]:
     """(x2, qkv) and what backward keeps: x1, rstd1, z1, rstd2."""
-    d = t["x0"].shape[-1]
-    p1 = gemm(t["attn_out"], w.wo.T, E.residual_norm_stats, residual=t["x0"], norm_weight=w.g_ffn)
-    rstd1 = torch.rsqrt(p1["sumsq"] / d + w.eps)  # the tiny finalize
-    c1 = gemm(p1["h"], w.w_gate_up.T, E.rms_swiglu, rstd=rstd1)
-    p2 = gemm(c1["y"], w.w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=w.g_attn)
-    rstd2 = torch.rsqrt(p2["sumsq"] / d + w.eps)
-    qkv = gemm(p2["h"], w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=t["pos"], freq=_rope_freq(w))
-    return p2["x"], qkv, p1["x"], rstd1, c1["z"], rstd2
+    x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(t["attn_out"], t["x0"], w.wo, w.g_ffn, w.w_gate_up, w.w_down,
+                                                    w.g_attn, w.eps)
+    qkv = gemm(h2, w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=t["pos"], freq=_rope_freq(w))
+    return x2, qkv, x1, rstd1, z1, rstd2
+
+
+def ffn_attn_forward(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor,
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor, g_next: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, ...]:
+    """x1 = x0 + attn_out @ wo.T, x2 = x1 + mlp(rms_norm(x1, g_ffn)) and the next norm's h2 = x2 * g_next
+    and rstd2, as 3 fused GEMMs: (x2, h2, rstd2, x1, rstd1, z1); the segments' shared upper half."""
+    d = x0.shape[-1]
+    p1 = gemm(attn_out, wo.T, E.residual_norm_stats, residual=x0, norm_weight=g_ffn)
+    rstd1 = torch.rsqrt(p1["sumsq"] / d + eps)  # the tiny finalize
+    c1 = gemm(p1["h"], w_gate_up.T, E.rms_swiglu, rstd=rstd1)
+    p2 = gemm(c1["y"], w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=g_next)
+    rstd2 = torch.rsqrt(p2["sumsq"] / d + eps)
+    return p2["x"], p2["h"], rstd2, p1["x"], rstd1, c1["z"]
 
 
 def _forward_fake(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]:
@@ -202,7 +238,7 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     """Gradients for attn_out, x0 and the weights, in the order and layouts they came in."""
     d_x2, x2 = t["d_x2"], t["x2"]
     d = x2.shape[-1]
-    w_gu, w_qkv, freq = w.w_gate_up, w.w_qkv, _rope_freq(w)
+    w_qkv, freq = w.w_qkv, _rope_freq(w)
     # RoPE backward: rotate by -theta (a row pass); the rotation keeps dot products, so
     # zdz = sum(z * dz) = sum(qkv * d_qkv).
     dz2, zdz2 = rope_backward(t["d_qkv"], t["qkv"], t["pos"], freq)
@@ -210,20 +246,30 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     # fresh tensor (bench/profile_ops.py times this against accumulating in place).
     n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(d_x2)}, grad=d_x2, x=x2,
               norm_weight=w.g_attn, rstd=t["rstd2"], zdz_over_d=zdz2 / d)
-    grad = n2["dx"]
     d_wqkv = gemm(dz2.T, n2["normed"])
-    sb = gemm(grad, w.w_down, E.swiglu_backward_zdz, z=t["z1"])
-    d_wdown = gemm(grad.T, sb["y"])
-    n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(grad)}, grad=grad, x=t["x1"],
-              norm_weight=w.g_ffn, rstd=t["rstd1"], zdz_over_d=sb["zdz"] / d)
-    grad = n1["dx"]
-    d_wgu = gemm(sb["dz"].T, n1["normed"])
-    d_attn = gemm(grad, w.wo)
-    d_wo = gemm(grad.T, t["attn_out"])
-    d_w = NativeBlockWeights(wo=d_wo, g_ffn=n1["dg"].to(w.g_ffn.dtype), w_gate_up=d_wgu, w_down=d_wdown,
+    d_attn, grad, d_wo, dg_ffn, d_wgu, d_wdown = ffn_attn_backward(n2["dx"], t["attn_out"], t["x1"], t["rstd1"], t["z1"],
+                                                                   w.wo, w.g_ffn, w.w_gate_up, w.w_down)
+    d_w = NativeBlockWeights(wo=d_wo, g_ffn=dg_ffn, w_gate_up=d_wgu, w_down=d_wdown,
                              g_attn=n2["dg"].to(w.g_attn.dtype), w_qkv=d_wqkv, n_heads=w.n_heads,
                              n_kv_heads=w.n_kv_heads)
     return [d_attn, grad, *(d_w if isinstance(given, NativeBlockWeights) else d_w.to_standard()).tensors()]
+
+
+def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor,
+                      z1: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Backward of x2 = x1 + mlp(rms_norm(x1, g_ffn)), x1 = x0 + attn_out @ wo.T from grad = dL/dx2:
+    (d_attn_out, d_x0, d_wo, d_g_ffn, d_w_gate_up, d_w_down); the segments' shared lower half."""
+    d = x1.shape[-1]
+    sb = gemm(grad, w_down, E.swiglu_backward_zdz, z=z1)
+    d_wdown = gemm(grad.T, sb["y"])
+    n1 = gemm(sb["dz"], w_gate_up, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(grad)}, grad=grad, x=x1,
+              norm_weight=g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
+    grad = n1["dx"]
+    d_wgu = gemm(sb["dz"].T, n1["normed"])
+    d_attn = gemm(grad, wo)
+    d_wo = gemm(grad.T, attn_out)
+    return d_attn, grad, d_wo, n1["dg"].to(g_ffn.dtype), d_wgu, d_wdown
 
 
 def _backward_fake(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:

@@ -77,7 +77,12 @@ def build(variant: str, model_name: str, device: str, seed: int):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**MODELS[model_name], max_position_embeddings=131072)
+    shape = dict(MODELS[model_name])
+    if int(transformers.__version__.split(".")[0]) < 5:  # v4: rope_theta + rope_scaling
+        rope = shape.pop("rope_parameters")
+        shape["rope_theta"] = rope.pop("rope_theta")
+        shape["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    cfg = transformers.LlamaConfig(**shape, max_position_embeddings=131072)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)

@@ -7,6 +7,7 @@ Variants (each measured in its own process: patching libraries change classes gl
   coda          coda.models.LlamaForCausalLM.from_hf (native layouts, logits never materialized)
   coda_compile  torch.compile(fullgraph=True) of it
   coda_patch    coda.patch on the HF model
+  (coda_checkpoint: coda with activation checkpointing per layer; not in the default list)
 Step: forward, backward, fused AdamW (bf16 parameters, synthetic tokens, labels = inputs). Per
 variant: warm-up steps, then the median of timed steps (CUDA events; wall clock on the CPU), peak memory
 (max_memory_allocated over the timed steps: weights, AdamW state, activations), and a
@@ -98,7 +99,7 @@ def build(variant: str, model_name: str, device: str, seed: int):
         return hf
     if variant == "coda_patch":
         return coda.patch(hf)
-    model = coda.models.LlamaForCausalLM.from_hf(hf)
+    model = coda.models.LlamaForCausalLM.from_hf(hf, checkpoint=variant == "coda_checkpoint")
     del hf
     if variant == "coda_compile":
         return torch.compile(model, fullgraph=True, backend=compile_backend)

@@ -72,13 +72,15 @@ def category(kernel: str) -> str:
 
 # -- one variant, in this process ---------------------------------------------------------------
 
-def build(variant: str, model_name: str, device: str, seed: int):
+def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0):
     import coda  # noqa: F401  (before anything imports Triton: it picks the interpreter without a GPU)
     import torch
     import transformers
 
     torch.manual_seed(seed)
     shape = dict(MODELS[model_name])
+    if layers:
+        shape["num_hidden_layers"] = layers
     if int(transformers.__version__.split(".")[0]) < 5:  # v4: rope_theta + rope_scaling
         rope = shape.pop("rope_parameters")
         shape["rope_theta"] = rope.pop("rope_theta")
@@ -123,7 +125,7 @@ def run_variant(args) -> dict:
     cuda = device == "cuda"
     batch, seq = (int(v) for v in args.shape.split("x"))
     t0 = time.time()
-    model = build(args.variant, args.model, device, args.seed)
+    model = build(args.variant, args.model, device, args.seed, args.layers)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
     data = batches(MODELS[args.model]["vocab_size"], batch, seq, device)
@@ -136,7 +138,8 @@ def run_variant(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    row = {"model": args.model, "seq": seq, "batch": batch, "variant": args.variant}
+    layers = args.layers or MODELS[args.model]["num_hidden_layers"]
+    row = {"model": args.model, "seq": seq, "batch": batch, "variant": args.variant, "layers": layers}
     if args.loss_curve:
         row["losses"] = [float(step(i)) for i in range(args.loss_curve)]
         return row
@@ -189,7 +192,7 @@ def breakdown(step) -> dict[str, float]:
 def spawn(args, model: str, shape: str, variant: str, loss_curve: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--shape", shape, "--variant", variant,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
-           "--loss-curve", str(loss_curve)] + (["--tiny"] if args.tiny else []) + \
+           "--loss-curve", str(loss_curve), "--layers", str(args.layers)] + (["--tiny"] if args.tiny else []) + \
           (["--no-breakdown"] if not args.breakdown else [])
     t0 = time.time()
     try:
@@ -336,6 +339,7 @@ def main() -> None:
     ap.add_argument("--models", default="1b,8b")
     ap.add_argument("--shapes", help="batch x seq, e.g. 2x4096,4x8192 (default: per model)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=0, help="override the models' layer count (8b: 8 by default)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)

@@ -273,7 +273,7 @@ def table(rows: list[dict]) -> str:
     for r in perf:
         b = r.get("breakdown_ms") or {}
         ratios = [base.get((r["model"], r["batch"], r["seq"], peer)) for peer in ("hf_eager", "hf_compile", "hf_liger")]
-        cells = [r["model"], f"{r['batch']} x {r['seq']}", r["variant"], f"{r['step_ms']:.1f}",
+        cells = [r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else ""), f"{r['batch']} x {r['seq']}", r["variant"], f"{r['step_ms']:.1f}",
                  f"{r['tokens_per_s'] / 1e3:.1f}k", "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}",
                  *(f"{b[k]:.1f}" if k in b else "-" for k in ("gemms", "attention", "other")),
                  *(f"{r['tokens_per_s'] / p:.2f}" if p else "-" for p in ratios)]

@@ -45,7 +45,7 @@ def test_tiny_run_writes_the_issue_rows(tmp_path: Path) -> None:
     out = tmp_path / "results"
     run("--merge", str(tmp_path / "train_llama.json"), "--out", str(out), "--note", "smoke")
     md = (out / "train_llama.md").read_text()
-    assert "| tiny | 2 x 8 | coda_compile |" in md and "Loss curve (2 steps" in md and "smoke" in md
+    assert "| tiny (2 layers) | 2 x 8 | coda_compile |" in md and "Loss curve (2 steps" in md and "smoke" in md
 
 
 def test_kernel_categories() -> None:

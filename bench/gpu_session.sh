@@ -5,6 +5,8 @@
 #   2. the GEMM + forward-epilogue suite (bench/gemm_epilogues.py)
 #   3. the ops + block suite (bench/ops_block.py)
 #   4. (profile) where the ops' time goes, kernel by kernel (bench/profile_ops.py)
+#   5. (train) end-to-end training steps per variant, each in its own process (bench/train_llama.py;
+#      TRAIN_ARGS picks models, shapes and variants, e.g. "--models 1b --shapes 2x4096 --variants coda,hf_eager")
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -35,7 +37,9 @@ for step in $steps; do
            | tee "$OUT/ops.log" | tail -30 ;;
     profile) timeout ${STEP_TIMEOUT:-540} python3 bench/profile_ops.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
                | tee "$OUT/profile.log" | grep -v Warning | tail -80 ;;
-    *) echo "unknown step $step (tests, epilogues, ops, profile)"; exit 2 ;;
+    train) timeout ${STEP_TIMEOUT:-570} python3 bench/train_llama.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 \
+             | grep -v '^\[coda tune\]   \[' | tee "$OUT/train.log" | grep '^\[train_llama\]' | tail -40 ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile, train)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

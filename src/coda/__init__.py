@@ -14,9 +14,10 @@ from .runtime import Config, gemm  # noqa: E402
 from . import ops  # noqa: E402  (built on the API above)
 from . import nn  # noqa: E402
 from . import models  # noqa: E402
+from .models.hf_patch import patch  # noqa: E402
 
 __all__ = [
-    "__version__", "Epilogue", "epilogue", "gemm", "Config", "ops", "nn", "models",
+    "__version__", "Epilogue", "epilogue", "gemm", "Config", "ops", "nn", "models", "patch",
     "Scalar", "VecM", "VecN", "Tile",
     "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh", "relu", "sin", "cos", "abs",
     "square", "round_bf16", "round_fp16", "maximum", "minimum", "where", "pairs", "interleave", "row_index", "col_index",

@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import math
+import typing
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..ops import epilogues as E
+from ..ops.custom import FusedOp, fused_op
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
 from ..ops.rowwise import rope_backward
 from ..runtime import gemm
@@ -52,6 +57,7 @@ class BlockWeights:
     n_kv_heads: int
     eps: float = 1e-6
     rope_base: float = 10000.0
+    rope_scaling: list[float] | None = None  # Llama 3: [factor, low_freq_factor, high_freq_factor, original_max_pos]
 
     @property
     def head_dim(self) -> int:
@@ -61,7 +67,7 @@ class BlockWeights:
         return (self.wo, self.g_ffn, self.w_gate, self.w_up, self.w_down, self.g_attn, self.wq, self.wk, self.wv)
 
     def inv_freq(self) -> torch.Tensor:
-        return _inv_freq(self.head_dim, self.rope_base, self.wq.device)
+        return inv_freq(self.head_dim, self.rope_base, self.rope_scaling, self.wq.device)
 
 
 @dataclass
@@ -80,6 +86,7 @@ class NativeBlockWeights:
     n_kv_heads: int
     eps: float = 1e-6
     rope_base: float = 10000.0
+    rope_scaling: list[float] | None = None  # as in BlockWeights
 
     def __post_init__(self) -> None:
         rows, heads = self.w_qkv.shape[0], self.n_heads + 2 * self.n_kv_heads
@@ -104,7 +111,8 @@ class NativeBlockWeights:
         hd = w.head_dim
         w_qkv = torch.cat([permute_rope_rows(w.wq, w.n_heads, hd), permute_rope_rows(w.wk, w.n_kv_heads, hd), w.wv])
         return cls(w.wo, w.g_ffn, interleave_gate_up(w.w_gate, w.w_up), w.w_down, w.g_attn, w_qkv,
-                   n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base)
+                   n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base,
+                   rope_scaling=w.rope_scaling)
 
     def leaves(self) -> NativeBlockWeights:
         """The same values as fresh autograd leaves: what a model storing this layout holds as parameters."""
@@ -120,116 +128,173 @@ class NativeBlockWeights:
                             unpermute_rope_rows(self.w_qkv[:nq], self.n_heads, hd),
                             unpermute_rope_rows(self.w_qkv[nq:nq + nk], self.n_kv_heads, hd),
                             self.w_qkv[nq + nk:].contiguous(), n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                            eps=self.eps, rope_base=self.rope_base)
+                            eps=self.eps, rope_base=self.rope_base, rope_scaling=self.rope_scaling)
 
 
-def _inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
-    return base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...] | None = None,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE's per-pair frequencies base^(-2i/head_dim), with Llama 3's scaling when `scaling` is
+    [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings] (the rule of
+    transformers' "llama3" rope type: long wavelengths slowed by factor, short ones kept, a
+    smooth blend between)."""
+    inv = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv
+    factor, low, high, old_len = scaling
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rope_freq(w: NativeBlockWeights) -> torch.Tensor:
     """Per column pair of the fused qkv output: the pair's frequency, 0 for v."""
-    return _freq_table(w.head_dim, w.n_heads + w.n_kv_heads, w.n_kv_heads * w.head_dim // 2, w.rope_base,
-                       w.w_qkv.device)
+    return rope_freq_table(w.head_dim, w.n_heads, w.n_kv_heads, w.rope_base, w.rope_scaling, w.w_qkv.device)
+
+
+def rope_freq_table(head_dim: int, n_heads: int, n_kv_heads: int, base: float, scaling: list[float] | None,
+                    device: torch.device) -> torch.Tensor:
+    """The rms_rope epilogue's freq operand for a fused [q; k; v] projection."""
+    return _freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads * head_dim // 2, base,
+                       None if scaling is None else tuple(scaling), device)
 
 
 @functools.lru_cache(maxsize=64)
-def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, device: torch.device) -> torch.Tensor:
+def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, scaling: tuple[float, ...] | None,
+                device: torch.device) -> torch.Tensor:
     # Built once per configuration: the table is a constant, and building it is a handful of
     # small launches per forward and backward (the block's host time bounds it at D=2048).
-    inv = _inv_freq(head_dim, base, device)
+    inv = inv_freq(head_dim, base, scaling, device)
     return torch.cat([inv.repeat(rotated_heads), inv.new_zeros(v_pairs)])
 
 
-def _weights(tensors: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
-             standard: bool) -> NativeBlockWeights:
-    """The ops' weight list (BlockWeights or NativeBlockWeights order) in coda's layouts."""
-    if standard:
-        return NativeBlockWeights.from_standard(
-            BlockWeights(*tensors, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps, rope_base=rope_base))
-    return NativeBlockWeights(*tensors, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps, rope_base=rope_base)
+# -- the ops: one pair per weight layout, the weights as named arguments -----------------------
+
+def _tensor_fields(cls: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] is torch.Tensor)
 
 
-@torch.library.custom_op("coda::block_segment_fwd", mutates_args=())
-def _fwd(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, weights: list[torch.Tensor], n_heads: int,
-         n_kv_heads: int, eps: float, rope_base: float, standard: bool
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _prototype(name: str, cls: type, lead: tuple[str, ...], returns: object, body: Callable) -> Callable:
+    """A function of (*lead tensors, *cls's fields by name): what torch.library reads the op
+    schema from, so that each weight is a named op argument. It calls body(the lead tensors by
+    name, the weights in coda's layouts, the weights as given)."""
+    hints = typing.get_type_hints(cls)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(n, kind, annotation=torch.Tensor) for n in lead]
+    params += [inspect.Parameter(f.name, kind, annotation=hints[f.name]) for f in dataclasses.fields(cls)]
+    signature = inspect.Signature(params, return_annotation=returns)
+
+    def fn(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        given = cls(**{f.name: bound[f.name] for f in dataclasses.fields(cls)})
+        native = given if isinstance(given, NativeBlockWeights) else NativeBlockWeights.from_standard(given)
+        return body({n: bound[n] for n in lead}, native, given)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__signature__ = signature
+    return fn
+
+
+_SAVED = ("attn_out", "pos", "x1", "rstd1", "z1", "x2", "rstd2", "qkv")
+_FWD_LEAD, _BWD_LEAD = ("attn_out", "x0", "pos"), ("d_x2", "d_qkv") + _SAVED
+_SIX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _forward(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]:
     """(x2, qkv) and what backward keeps: x1, rstd1, z1, rstd2."""
-    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base, standard)
+    x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(t["attn_out"], t["x0"], w.wo, w.g_ffn, w.w_gate_up, w.w_down,
+                                                    w.g_attn, w.eps)
+    qkv = gemm(h2, w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=t["pos"], freq=_rope_freq(w))
+    return x2, qkv, x1, rstd1, z1, rstd2
+
+
+def ffn_attn_forward(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor,
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor, g_next: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, ...]:
+    """x1 = x0 + attn_out @ wo.T, x2 = x1 + mlp(rms_norm(x1, g_ffn)) and the next norm's h2 = x2 * g_next
+    and rstd2, as 3 fused GEMMs: (x2, h2, rstd2, x1, rstd1, z1); the segments' shared upper half."""
     d = x0.shape[-1]
-    p1 = gemm(attn_out, w.wo.T, E.residual_norm_stats, residual=x0, norm_weight=w.g_ffn)
-    rstd1 = torch.rsqrt(p1["sumsq"] / d + w.eps)  # the tiny finalize
-    c1 = gemm(p1["h"], w.w_gate_up.T, E.rms_swiglu, rstd=rstd1)
-    p2 = gemm(c1["y"], w.w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=w.g_attn)
-    rstd2 = torch.rsqrt(p2["sumsq"] / d + w.eps)
-    qkv = gemm(p2["h"], w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=pos, freq=_rope_freq(w))
-    return p2["x"], qkv, p1["x"], rstd1, c1["z"], rstd2
+    p1 = gemm(attn_out, wo.T, E.residual_norm_stats, residual=x0, norm_weight=g_ffn)
+    rstd1 = torch.rsqrt(p1["sumsq"] / d + eps)  # the tiny finalize
+    c1 = gemm(p1["h"], w_gate_up.T, E.rms_swiglu, rstd=rstd1)
+    p2 = gemm(c1["y"], w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=g_next)
+    rstd2 = torch.rsqrt(p2["sumsq"] / d + eps)
+    return p2["x"], p2["h"], rstd2, p1["x"], rstd1, c1["z"]
 
 
-@_fwd.register_fake
-def _(attn_out, x0, pos, weights, n_heads, n_kv_heads, eps, rope_base, standard):
-    m, d = x0.shape
-    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base, standard)
-    rows = x0.new_empty(m, dtype=torch.float32)
-    like = attn_out  # every GEMM output takes the dtype of the chain's first operand
+def _forward_fake(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]:
+    m, d = t["x0"].shape
+    rows = t["x0"].new_empty(m, dtype=torch.float32)
+    like = t["attn_out"]  # every GEMM output takes the dtype of the chain's first operand
     return (like.new_empty(m, d), like.new_empty(m, w.w_qkv.shape[0]), like.new_empty(m, d), rows,
             like.new_empty(m, w.w_gate_up.shape[0]), torch.empty_like(rows))
 
 
-@torch.library.custom_op("coda::block_segment_bwd", mutates_args=())
-def _bwd(d_x2: torch.Tensor, d_qkv: torch.Tensor, attn_out: torch.Tensor, pos: torch.Tensor, x1: torch.Tensor,
-         rstd1: torch.Tensor, z1: torch.Tensor, x2: torch.Tensor, rstd2: torch.Tensor, qkv: torch.Tensor,
-         weights: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float,
-         rope_base: float, standard: bool) -> list[torch.Tensor]:
+def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     """Gradients for attn_out, x0 and the weights, in the order and layouts they came in."""
-    w = _weights(weights, n_heads, n_kv_heads, eps, rope_base, standard)
+    d_x2, x2 = t["d_x2"], t["x2"]
     d = x2.shape[-1]
-    w_gu, w_qkv, freq = w.w_gate_up, w.w_qkv, _rope_freq(w)
+    w_qkv, freq = w.w_qkv, _rope_freq(w)
     # RoPE backward: rotate by -theta (a row pass); the rotation keeps dot products, so
     # zdz = sum(z * dz) = sum(qkv * d_qkv).
-    dz2, zdz2 = rope_backward(d_qkv, qkv, pos, freq)
+    dz2, zdz2 = rope_backward(t["d_qkv"], t["qkv"], t["pos"], freq)
     # The residual gradient: each RMSNorm-backward GEMM adds its input gradient to it, into a
     # fresh tensor (bench/profile_ops.py times this against accumulating in place).
     n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(d_x2)}, grad=d_x2, x=x2,
-              norm_weight=w.g_attn, rstd=rstd2, zdz_over_d=zdz2 / d)
-    grad = n2["dx"]
+              norm_weight=w.g_attn, rstd=t["rstd2"], zdz_over_d=zdz2 / d)
     d_wqkv = gemm(dz2.T, n2["normed"])
-    sb = gemm(grad, w.w_down, E.swiglu_backward_zdz, z=z1)
+    d_attn, grad, d_wo, dg_ffn, d_wgu, d_wdown = ffn_attn_backward(n2["dx"], t["attn_out"], t["x1"], t["rstd1"], t["z1"],
+                                                                   w.wo, w.g_ffn, w.w_gate_up, w.w_down)
+    d_w = NativeBlockWeights(wo=d_wo, g_ffn=dg_ffn, w_gate_up=d_wgu, w_down=d_wdown,
+                             g_attn=n2["dg"].to(w.g_attn.dtype), w_qkv=d_wqkv, n_heads=w.n_heads,
+                             n_kv_heads=w.n_kv_heads)
+    return [d_attn, grad, *(d_w if isinstance(given, NativeBlockWeights) else d_w.to_standard()).tensors()]
+
+
+def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor,
+                      z1: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Backward of x2 = x1 + mlp(rms_norm(x1, g_ffn)), x1 = x0 + attn_out @ wo.T from grad = dL/dx2:
+    (d_attn_out, d_x0, d_wo, d_g_ffn, d_w_gate_up, d_w_down); the segments' shared lower half."""
+    d = x1.shape[-1]
+    sb = gemm(grad, w_down, E.swiglu_backward_zdz, z=z1)
     d_wdown = gemm(grad.T, sb["y"])
-    n1 = gemm(sb["dz"], w_gu, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(grad)}, grad=grad, x=x1,
-              norm_weight=w.g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
+    n1 = gemm(sb["dz"], w_gate_up, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(grad)}, grad=grad, x=x1,
+              norm_weight=g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
     grad = n1["dx"]
     d_wgu = gemm(sb["dz"].T, n1["normed"])
-    d_attn = gemm(grad, w.wo)
+    d_attn = gemm(grad, wo)
     d_wo = gemm(grad.T, attn_out)
-    d_w = NativeBlockWeights(d_wo, n1["dg"].to(w.g_ffn.dtype), d_wgu, d_wdown, n2["dg"].to(w.g_attn.dtype), d_wqkv,
-                             n_heads=n_heads, n_kv_heads=n_kv_heads)
-    return [d_attn, grad, *(d_w.to_standard() if standard else d_w).tensors()]
+    return d_attn, grad, d_wo, n1["dg"].to(g_ffn.dtype), d_wgu, d_wdown
 
 
-@_bwd.register_fake
-def _(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, n_heads, n_kv_heads, eps, rope_base,
-      standard):
-    return [torch.empty_like(attn_out), torch.empty_like(d_x2), *(torch.empty_like(t) for t in weights)]
+def _backward_fake(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
+    return [torch.empty_like(t["attn_out"]), torch.empty_like(t["d_x2"]), *(torch.empty_like(x) for x in given.tensors())]
 
 
-def _setup(ctx, inputs, output) -> None:
-    attn_out, x0, pos, weights, *config = inputs
-    x2, qkv, x1, rstd1, z1, rstd2 = output
-    ctx.config = config
-    ctx.save_for_backward(attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights)
-    ctx.set_materialize_grads(False)  # no zeros for the internal outputs (z1 is [M, 2F])
+def _save(attn_out, x0, pos, *weights_and_config, out):
+    x2, qkv, x1, rstd1, z1, rstd2 = out
+    return (attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights_and_config)
 
 
-def _backward(ctx, d_x2, d_qkv, *_unused):
-    attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights = ctx.saved_tensors
-    d_x2 = torch.zeros_like(x2) if d_x2 is None else d_x2  # an output the loss did not use
-    d_qkv = torch.zeros_like(qkv) if d_qkv is None else d_qkv
-    grads = _bwd(d_x2, d_qkv, attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, weights, *ctx.config)
-    return grads[0], grads[1], None, list(grads[2:]), None, None, None, None, None
+def _segment_op(cls: type) -> FusedOp:
+    """coda::block_segment_{fwd,bwd} for NativeBlockWeights, coda::block_segment_standard_* for BlockWeights."""
+    name = "block_segment" if cls is NativeBlockWeights else "block_segment_standard"
+    return fused_op(
+        f"coda::{name}",
+        forward=_prototype(f"{name}_fwd", cls, _FWD_LEAD, _SIX, _forward),
+        fake=_prototype(f"{name}_fwd_fake", cls, _FWD_LEAD, _SIX, _forward_fake),
+        save=_save,
+        backward=_prototype(f"{name}_bwd", cls, _BWD_LEAD, list[torch.Tensor], _backward),
+        backward_fake=_prototype(f"{name}_bwd_fake", cls, _BWD_LEAD, list[torch.Tensor], _backward_fake),
+        grads=("attn_out", "x0", *_tensor_fields(cls)), outputs=2)
 
 
-torch.library.register_autograd("coda::block_segment_fwd", _backward, setup_context=_setup)
+_OPS = {cls: _segment_op(cls) for cls in (NativeBlockWeights, BlockWeights)}
 
 
 def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor,
@@ -242,9 +307,8 @@ def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor,
     """
     if not isinstance(weights, (BlockWeights, NativeBlockWeights)):
         raise TypeError(f"block_segment: weights must be BlockWeights or NativeBlockWeights, got {type(weights).__name__}")
-    out = _fwd(attn_out, x0, pos, list(weights.tensors()), weights.n_heads, weights.n_kv_heads, float(weights.eps),
-               float(weights.rope_base), isinstance(weights, BlockWeights))
-    return out[0], out[1]
+    values = [getattr(weights, f.name) for f in dataclasses.fields(weights)]
+    return _OPS[type(weights)](attn_out, x0, pos, *values)
 
 
 def reference_block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, w: BlockWeights):

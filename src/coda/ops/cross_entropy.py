@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
+from .custom import fused_op
 from .epilogues import lm_head, scaled
 from .rowwise import cross_entropy_
 
@@ -39,7 +40,6 @@ def _check_targets(target: torch.Tensor, valid: torch.Tensor, v: int) -> None:
     torch._assert_async((in_range | ~valid).all(), "linear_cross_entropy: a target is out of bounds")
 
 
-@torch.library.custom_op("coda::linear_cross_entropy_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
          with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, G) where G is the logits' gradient per unit dloss (empty without with_grad)."""
@@ -59,39 +59,29 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_ind
     return loss, grad
 
 
-@_fwd.register_fake
-def _(x, weight, target, ignore_index, reduction, with_grad):
+def _fwd_fake(x, weight, target, ignore_index, reduction, with_grad):
     grad = x.new_empty(x.shape[0], weight.shape[0]) if with_grad else x.new_empty(0)
     return x.new_empty((), dtype=torch.float32), grad
 
 
-@torch.library.custom_op("coda::linear_cross_entropy_bwd", mutates_args=())
+def _save(x, weight, target, ignore_index, reduction, with_grad, *, out):
+    return out[1], x, weight
+
+
 def _bwd(dloss: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if grad.numel() == 0 and x.shape[0] and weight.shape[0]:
+        raise RuntimeError("linear_cross_entropy: backward through a forward that ran without gradients "
+                           "(x and weight did not require grad, or grad mode was off)")
     s = dloss.float().reshape(())
     return gemm(grad, weight, scaled, s=s), gemm(grad.T, x, scaled, s=s)
 
 
-@_bwd.register_fake
-def _(dloss, grad, x, weight):
+def _bwd_fake(dloss, grad, x, weight):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
-def _setup(ctx, inputs, output) -> None:
-    x, weight = inputs[:2]
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.set_materialize_grads(False)  # no [tokens, V] zeros for the internal output's gradient
-
-
-def _backward(ctx, dloss, _dgrad):
-    x, weight, grad = ctx.saved_tensors
-    if grad.numel() == 0 and x.shape[0] and weight.shape[0]:
-        raise RuntimeError("linear_cross_entropy: backward through a forward that ran without gradients "
-                           "(x and weight did not require grad, or grad mode was off)")
-    dx, dw = _bwd(dloss, grad, x, weight)
-    return dx, dw, None, None, None, None
-
-
-torch.library.register_autograd("coda::linear_cross_entropy_fwd", _backward, setup_context=_setup)
+_op = fused_op("coda::linear_cross_entropy", forward=_fwd, fake=_fwd_fake, save=_save, backward=_bwd,
+               backward_fake=_bwd_fake, grads=("x", "weight"))
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100,
@@ -114,5 +104,5 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if target.dtype.is_floating_point or target.dtype == torch.bool:
         raise TypeError(f"linear_cross_entropy: target must hold integer class ids, got {target.dtype}")
     with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    loss, _ = _fwd(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), int(ignore_index), reduction, with_grad)
+    loss = _op(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), int(ignore_index), reduction, with_grad)
     return loss

@@ -51,14 +51,25 @@ def swiglu_save(acc):
     return {"z": acc, "y": silu(gate) * up}
 
 
-@epilogue
-def rms_rope(acc, rstd: VecM, pos: VecM, freq: VecN(width=0.5)):
-    """Section 3: row scale, then rotate each adjacent column pair (a, b) by theta = pos * freq
-    (complex multiply by e^{i theta}); freq is 0 for the v columns, which pass unrotated."""
-    a, b = pairs(acc * rstd)
+def _rotate(x, pos, freq):
+    """Rotate each adjacent column pair (a, b) of x by theta = pos * freq (complex multiply by
+    e^{i theta}); freq is 0 for the v columns, which pass unrotated."""
+    a, b = pairs(x)
     theta = pos * freq
     c, s = cos(theta), sin(theta)
     return interleave(a * c - b * s, a * s + b * c)
+
+
+@epilogue
+def rms_rope(acc, rstd: VecM, pos: VecM, freq: VecN(width=0.5)):
+    """Section 3: row scale (the producer stored x * g), then the RoPE rotation."""
+    return _rotate(acc * rstd, pos, freq)
+
+
+@epilogue
+def rope(acc, pos: VecM, freq: VecN(width=0.5)):
+    """Section 3 on an already normalized input (a row pass stored F.rms_norm's output)."""
+    return _rotate(acc, pos, freq)
 
 
 @epilogue

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
+from .custom import fused_op
 from .epilogues import rmsnorm_backward_rowterm
 from .rowwise import rms_input_grad, rms_prep
 
@@ -27,18 +28,19 @@ def _check(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> 
         )
 
 
-@torch.library.custom_op("coda::rmsnorm_linear_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     h, rstd = rms_prep(x, norm_weight, eps)  # h = F.rms_norm(x): rstd is known in this pass already
     return gemm(h, weight.T), rstd
 
 
-@_fwd.register_fake
-def _(x, norm_weight, weight, eps):
+def _fwd_fake(x, norm_weight, weight, eps):
     return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("coda::rmsnorm_linear_bwd", mutates_args=())
+def _save(x, norm_weight, weight, eps, *, out):
+    return x, norm_weight, weight, out[1]
+
+
 def _bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dy = dy.contiguous()
@@ -49,24 +51,12 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, weight: t
     return dx, out["dg"].to(norm_weight.dtype), dw
 
 
-@_bwd.register_fake
-def _(dy, x, norm_weight, weight, rstd):
+def _bwd_fake(dy, x, norm_weight, weight, rstd):
     return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(weight)
 
 
-def _setup(ctx, inputs, output) -> None:
-    x, norm_weight, weight, _ = inputs
-    ctx.save_for_backward(x, norm_weight, weight, output[1])
-    ctx.set_materialize_grads(False)  # the internal rstd output gets no zero gradient
-
-
-def _backward(ctx, dy, _drstd):
-    x, norm_weight, weight, rstd = ctx.saved_tensors
-    dx, dg, dw = _bwd(dy, x, norm_weight, weight, rstd)
-    return dx, dg, dw, None
-
-
-torch.library.register_autograd("coda::rmsnorm_linear_fwd", _backward, setup_context=_setup)
+_op = fused_op("coda::rmsnorm_linear", forward=_fwd, fake=_fwd_fake, save=_save, backward=_bwd,
+               backward_fake=_bwd_fake, grads=("x", "norm_weight", "weight"))
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -76,5 +66,5 @@ def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Ten
     """
     _check(x, norm_weight, weight)
     lead = x.shape[:-1]
-    y, _ = _fwd(x.reshape(-1, x.shape[-1]), norm_weight, weight, float(eps))
+    y = _op(x.reshape(-1, x.shape[-1]), norm_weight, weight, float(eps))
     return y.reshape(*lead, weight.shape[0])

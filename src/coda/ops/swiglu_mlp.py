@@ -11,22 +11,24 @@ from __future__ import annotations
 import torch
 
 from ..runtime import gemm
+from .custom import fused_op
 from .epilogues import swiglu_backward, swiglu_save
 from .layout import interleave_gate_up, split_gate_up
 
 
-@torch.library.custom_op("coda::swiglu_mlp_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     h = gemm(x, interleave_gate_up(w_gate, w_up).T, swiglu_save)
     return gemm(h["y"], w_down.T), h["z"]
 
 
-@_fwd.register_fake
-def _(x, w_gate, w_up, w_down):
+def _fwd_fake(x, w_gate, w_up, w_down):
     return x.new_empty(x.shape[0], w_down.shape[0]), x.new_empty(x.shape[0], 2 * w_gate.shape[0])
 
 
-@torch.library.custom_op("coda::swiglu_mlp_bwd", mutates_args=())
+def _save(x, w_gate, w_up, w_down, *, out):
+    return x, out[1], w_gate, w_up, w_down
+
+
 def _bwd(dout: torch.Tensor, x: torch.Tensor, z: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
          w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     back = gemm(dout, w_down, swiglu_backward, z=z)
@@ -36,23 +38,12 @@ def _bwd(dout: torch.Tensor, x: torch.Tensor, z: torch.Tensor, w_gate: torch.Ten
     return dx, dw_gate.contiguous(), dw_up.contiguous(), dw_down
 
 
-@_bwd.register_fake
-def _(dout, x, z, w_gate, w_up, w_down):
+def _bwd_fake(dout, x, z, w_gate, w_up, w_down):
     return torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
 
 
-def _setup(ctx, inputs, output) -> None:
-    x, w_gate, w_up, w_down = inputs
-    ctx.save_for_backward(x, output[1], w_gate, w_up, w_down)
-    ctx.set_materialize_grads(False)  # no [M, 2F] zeros for the internal z output's gradient
-
-
-def _backward(ctx, dout, _dz):
-    x, z, w_gate, w_up, w_down = ctx.saved_tensors
-    return _bwd(dout, x, z, w_gate, w_up, w_down)
-
-
-torch.library.register_autograd("coda::swiglu_mlp_fwd", _backward, setup_context=_setup)
+_op = fused_op("coda::swiglu_mlp", forward=_fwd, fake=_fwd_fake, save=_save, backward=_bwd, backward_fake=_bwd_fake,
+               grads=("x", "w_gate", "w_up", "w_down"))
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -66,5 +57,5 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
             f"swiglu_mlp: x {list(x.shape)}, w_gate {list(w_gate.shape)}, w_up {list(w_up.shape)}, w_down "
             f"{list(w_down.shape)} must be [..., D], [F, D], [F, D], [D, F]"
         )
-    out, _ = _fwd(x.reshape(-1, d), w_gate, w_up, w_down)
+    out = _op(x.reshape(-1, d), w_gate, w_up, w_down)
     return out.reshape(*x.shape[:-1], d)

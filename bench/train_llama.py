@@ -1,0 +1,370 @@
+"""End-to-end training step of a Llama model (issue 12): tokens/s and peak memory per variant.
+
+Variants (each measured in its own process: patching libraries change classes globally):
+  hf_eager      transformers LlamaForCausalLM (SDPA attention)
+  hf_compile    torch.compile of it
+  hf_liger      Liger-Kernel's instance patching (apply_liger_kernel_to_llama(model=...))
+  coda          coda.models.LlamaForCausalLM.from_hf (native layouts, logits never materialized)
+  coda_compile  torch.compile(fullgraph=True) of it
+  coda_patch    coda.patch on the HF model
+  (coda_checkpoint: coda with activation checkpointing per layer; not in the default list)
+Step: forward, backward, fused AdamW (bf16 parameters, synthetic tokens, labels = inputs). Per
+variant: warm-up steps, then the median of timed steps (CUDA events; wall clock on the CPU), peak memory
+(max_memory_allocated over the timed steps: weights, AdamW state, activations), and a
+torch.profiler breakdown of one step's kernel time into GEMMs / attention / everything else.
+
+    python bench/train_llama.py --out DIR                           # all models, shapes, variants (GPU)
+    python bench/train_llama.py --out DIR --models 1b --shapes 2x4096 --variants coda,hf_eager
+    python bench/train_llama.py --out DIR --loss-curve 100          # coda vs hf_eager from one init
+    python bench/train_llama.py --tiny --out DIR                    # CPU smoke: a tiny model, every variant
+    python bench/train_llama.py --merge A/train_llama.json B/train_llama.json --out bench/results --note "..."
+
+Rows accumulate in DIR/train_llama.json (a rerun replaces the rows it measures); --merge combines
+the files of several device calls into one table (bench/results/train_llama.{json,md,png}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("hf_eager", "hf_compile", "hf_liger", "coda", "coda_compile", "coda_patch")
+# Llama-3.2-1B and a Llama-3-8B-shaped model (layers: as many as the time allows).
+MODELS = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+}
+SHAPES = {"1b": ["2x4096", "4x8192"], "8b": ["2x4096"], "tiny": ["2x8"]}
+GEMM_KERNELS = ("gemm", "coda_", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mm_", "sm90_", "wgmma")
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def category(kernel: str) -> str:
+    """Which part of the step a GPU kernel's time belongs to (coda's GEMMs are named coda_<epilogue>;
+    its row passes, _<name>_kernel, are everything else)."""
+    name = kernel.lower()
+    if any(k in name for k in ATTENTION_KERNELS):
+        return "attention"
+    if any(k in name for k in GEMM_KERNELS) and not name.startswith("_"):
+        return "gemms"
+    return "other"
+
+
+# -- one variant, in this process ---------------------------------------------------------------
+
+def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0):
+    import coda  # noqa: F401  (before anything imports Triton: it picks the interpreter without a GPU)
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    shape = dict(MODELS[model_name])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    if int(transformers.__version__.split(".")[0]) < 5:  # v4: rope_theta + rope_scaling
+        rope = shape.pop("rope_parameters")
+        shape["rope_theta"] = rope.pop("rope_theta")
+        shape["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    cfg = transformers.LlamaConfig(**shape, max_position_embeddings=131072)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    compile_backend = "eager" if device == "cpu" else "inductor"  # the CPU smoke run checks the wiring only
+    if variant == "hf_eager":
+        return hf
+    if variant == "hf_compile":
+        return torch.compile(hf, backend=compile_backend)
+    if variant == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=hf)
+        return hf
+    if variant == "coda_patch":
+        return coda.patch(hf)
+    model = coda.models.LlamaForCausalLM.from_hf(hf, checkpoint=variant == "coda_checkpoint")
+    del hf
+    if variant == "coda_compile":
+        return torch.compile(model, fullgraph=True, backend=compile_backend)
+    return model
+
+
+def batches(vocab: int, batch: int, seq: int, device: str, count: int = 4):
+    """A fixed set of synthetic batches (the same in every process): random token sequences, each
+    repeated once inside its row so that there is something to learn."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    half = torch.randint(0, vocab, (count, batch, (seq + 1) // 2), generator=g)
+    return [torch.cat([h, h], 1)[:, :seq].to(device) for h in half]
+
+
+def run_variant(args) -> dict:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    cuda = device == "cuda"
+    batch, seq = (int(v) for v in args.shape.split("x"))
+    t0 = time.time()
+    model = build(args.variant, args.model, device, args.seed, args.layers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
+    data = batches(MODELS[args.model]["vocab_size"], batch, seq, device)
+
+    def step(i: int) -> float:
+        ids = data[i % len(data)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    layers = args.layers or MODELS[args.model]["num_hidden_layers"]
+    row = {"model": args.model, "seq": seq, "batch": batch, "variant": args.variant, "layers": layers}
+    if args.loss_curve:
+        row["losses"] = [float(step(i)) for i in range(args.loss_curve)]
+        return row
+    for i in range(args.warmup):
+        step(i)
+    log(f"[train_llama] {args.variant} {args.model} {args.shape}: built and warmed up in {time.time() - t0:.0f} s")
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            float(step(i))
+            times.append((time.perf_counter() - t) * 1e3)
+    step_ms = statistics.median(times)
+    row.update(step_ms=step_ms, tokens_per_s=batch * seq / step_ms * 1e3,
+               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+    if cuda and args.breakdown:
+        row["breakdown_ms"] = breakdown(lambda: step(0))
+    return row
+
+
+def breakdown(step) -> dict[str, float]:
+    """One step's GPU kernel time by category (ms), from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = {"gemms": 0.0, "attention": 0.0, "other": 0.0}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            out[category(evt.name)] += evt.device_time / 1e3
+    out["total"] = sum(out.values())
+    return out
+
+
+# -- the driver: every (model, shape, variant) in a process of its own ------------------------------
+
+def spawn(args, model: str, shape: str, variant: str, loss_curve: int = 0) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--model", model, "--shape", shape, "--variant", variant,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
+           "--loss-curve", str(loss_curve), "--layers", str(args.layers)] + (["--tiny"] if args.tiny else []) + \
+          (["--no-breakdown"] if not args.breakdown else [])
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
+    for line in proc.stdout.splitlines():
+        if line.startswith("[train_llama] "):
+            log(line)
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+            row["wall_s"] = round(time.time() - t0, 1)
+            return row
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"exit {proc.returncode}: {tail[0][:300]}"}
+
+
+def key(row: dict) -> tuple:
+    return row["model"], row["seq"], row["batch"], row["variant"], "losses" in row
+
+
+def drive(args) -> None:
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "train_llama.json"
+    data = json.loads(path.read_text()) if path.exists() else {"rows": [], "notes": []}
+    data["meta"] = meta(args)
+    models = ["tiny"] if args.tiny else args.models.split(",")
+    jobs = []
+    if args.loss_curve:
+        model, shape = models[0], (args.shapes.split(",")[0] if args.shapes else SHAPES[models[0]][0])
+        jobs = [(model, shape, v, args.loss_curve) for v in ("hf_eager", "coda")]
+    else:
+        for model in models:
+            for shape in (args.shapes.split(",") if args.shapes else SHAPES[model]):
+                jobs += [(model, shape, v, 0) for v in args.variants.split(",")]
+    for model, shape, variant, curve in jobs:
+        row = spawn(args, model, shape, variant, curve)
+        if "error" in row:
+            note = f"{model} {shape} {variant}{' loss curve' if curve else ''}: {row['error']}"
+            log(f"[train_llama] FAILED {note}")
+            data["notes"] = [n for n in data["notes"] if not n.startswith(f"{model} {shape} {variant}:")] + [note]
+        else:
+            data["rows"] = [r for r in data["rows"] if key(r) != key(row)] + [row]
+            if not curve:
+                log(f"[train_llama] {model} {shape} {variant}: {row['step_ms']:.1f} ms/step, "
+                    f"{row['tokens_per_s'] / 1e3:.1f}k tokens/s, peak {row['peak_mem_gib'] or 0:.1f} GiB"
+                    + (f", {row['breakdown_ms']}" if row.get("breakdown_ms") else ""))
+        path.write_text(json.dumps(data, indent=1))  # after every job: a later timeout loses nothing
+
+
+def meta(args) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
+            "protocol": f"bf16 parameters, fused AdamW (lr {args.lr}), synthetic tokens (labels = inputs); "
+                        f"{args.warmup} warm-up steps, median of {args.steps} timed steps (CUDA events; wall clock on the CPU); peak = "
+                        "max_memory_allocated over the timed steps; breakdown = one profiled step's kernel time; "
+                        "each variant in its own process"}
+    for mod in ("transformers", "triton", "liger_kernel", "coda"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - not installed / no version
+            info[mod] = None
+    return info
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | batch x seq | variant | ms | tokens/s | peak GiB | GEMMs | attention | everything else |"
+             " vs hf_eager | vs hf_compile | vs hf_liger |", "|" + "---|" * 12]
+    perf = [r for r in rows if "step_ms" in r]
+    base = {(r["model"], r["batch"], r["seq"], r["variant"]): r["tokens_per_s"] for r in perf}
+    for r in perf:
+        b = r.get("breakdown_ms") or {}
+        ratios = [base.get((r["model"], r["batch"], r["seq"], peer)) for peer in ("hf_eager", "hf_compile", "hf_liger")]
+        cells = [r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else ""), f"{r['batch']} x {r['seq']}", r["variant"], f"{r['step_ms']:.1f}",
+                 f"{r['tokens_per_s'] / 1e3:.1f}k", "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}",
+                 *(f"{b[k]:.1f}" if k in b else "-" for k in ("gemms", "attention", "other")),
+                 *(f"{r['tokens_per_s'] / p:.2f}" if p else "-" for p in ratios)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_losses(rows: list[dict], path: Path) -> bool:
+    curves = [r for r in rows if "losses" in r]
+    if not curves:
+        return False
+    try:
+        import matplotlib
+    except ImportError:
+        log("[train_llama] no matplotlib: loss-curve PNG skipped")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in curves:
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['variant']} ({r['model']}, {r['batch']}x{r['seq']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def merge(args) -> None:
+    """One table from the JSON of one or more runs (device calls); a later row replaces an earlier
+    one of the same model, shape and variant."""
+    data: dict = {"rows": [], "notes": []}
+    for path in args.merge:
+        part = json.loads(path.read_text())
+        keys = {key(r) for r in part["rows"]}
+        data["rows"] = [r for r in data["rows"] if key(r) not in keys] + part["rows"]
+        data["notes"] = [n for n in data["notes"] if n not in part.get("notes", [])] + part.get("notes", [])
+        data["meta"] = part["meta"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.note:
+        data["meta"]["note"] = args.note
+    m = data["meta"]
+    md = ["# train_llama", "", f"{m['gpu']}, torch {m['torch']}, transformers {m.get('transformers')}, "
+          f"triton {m.get('triton')}, Liger {m.get('liger_kernel')}.", "", m["protocol"], "",
+          *([args.note, ""] if args.note else []), table(data["rows"]), ""]
+    curves = {r["variant"]: r["losses"] for r in data["rows"] if "losses" in r}
+    if {"coda", "hf_eager"} <= set(curves):
+        diffs = [abs(a - b) for a, b in zip(curves["coda"], curves["hf_eager"])]
+        md += [f"Loss curve ({len(diffs)} steps, one init, fixed data): max |coda - hf_eager| = {max(diffs):.4f}, "
+               f"final {curves['coda'][-1]:.4f} vs {curves['hf_eager'][-1]:.4f}.", ""]
+    if plot_losses(data["rows"], args.out / "train_llama.png"):
+        md += ["![loss curves](train_llama.png)", ""]
+    md += [f"* {n}" for n in data.get("notes", [])]
+    (args.out / "train_llama.json").write_text(json.dumps(data, indent=1))
+    (args.out / "train_llama.md").write_text("\n".join(md) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--models", default="1b,8b")
+    ap.add_argument("--shapes", help="batch x seq, e.g. 2x4096,4x8192 (default: per model)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=0, help="override the models' layer count (8b: 8 by default)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=540, help="seconds per variant process")
+    ap.add_argument("--loss-curve", type=int, default=0, metavar="STEPS", help="coda vs hf_eager losses instead")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model (every variant, 1+1 steps)")
+    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    ap.add_argument("--merge", type=Path, nargs="+", help="write <out>/train_llama.{json,md,png} from measured JSONs")
+    ap.add_argument("--note")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.merge:
+        return merge(args)
+    if args.worker:
+        print("ROW " + json.dumps(run_variant(args)), flush=True)
+        return
+    if args.tiny and "--steps" not in sys.argv:
+        args.steps, args.warmup = 1, 1
+    os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "src"))
+    drive(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""coda.patch: run a transformers Llama-family model (Llama, Mistral) through coda's ops, in place.
+
+Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
+modules change (their `forward` is rebound), never transformers' classes, so another model in the
+same process is untouched. The modules and parameters stay where they are: parameter names,
+`state_dict()`, `load_state_dict()` and `.generate()` keep working.
+
+What runs through coda:
+* each decoder layer's post-attention RMSNorm + MLP: `coda.ops.rmsnorm_swiglu_mlp` (the norm's
+  forward passes its input through; the MLP applies the norm with the norm's own weight and eps);
+* the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
+  materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
+  `coda.ops.rmsnorm_linear`.
+What stays HF's: the input norm + q/k/v projections (three separate projections inside HF's
+attention: fusing them would copy the weights on every call), RoPE and attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.rmsnorm_linear import rmsnorm_linear
+from ..ops.rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
+
+log = logging.getLogger("coda")
+
+SUPPORTED = ("llama", "mistral")
+
+
+def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return hidden_states
+
+
+def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # The final norm is deferred to the LM head's fused op while the patched CausalLM forward
+    # asks for logits (the flag is set only for that call); otherwise HF's norm.
+    if self._coda_deferred:
+        return hidden_states
+    return self._coda_forward(hidden_states)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    norm = self._coda_norm
+    return rmsnorm_swiglu_mlp(x, norm.weight, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                              norm.variance_epsilon)
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                       logits_to_keep=0, **kwargs):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return_dict = kwargs.pop("return_dict", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    norm = self.model.norm
+    norm._coda_deferred = labels is None
+    try:
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+    finally:
+        norm._coda_deferred = False
+    hidden = outputs.last_hidden_state
+    loss = logits = None
+    if labels is None:
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        logits = rmsnorm_linear(hidden, norm.weight, self.lm_head.weight, norm.variance_epsilon)
+    else:
+        target = F.pad(labels.to(hidden.device), (0, 1), value=-100)[:, 1:]  # HF's shift: token t predicts t + 1
+        if num_items is None:
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, target)
+        else:
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, target, reduction="sum") / num_items
+    rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    out = CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
+    return out if return_dict is not False else out.to_tuple()
+
+
+def _check(model: nn.Module) -> list[str]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    problems = []
+    if model_type not in SUPPORTED:
+        problems.append(f"model_type {model_type!r} is not one of {SUPPORTED}")
+    for what, ok in (("a .model.layers list", hasattr(getattr(model, "model", None), "layers")),
+                     ("a .model.norm", hasattr(getattr(model, "model", None), "norm")),
+                     ("an .lm_head", isinstance(getattr(model, "lm_head", None), nn.Linear))):
+        if not ok:
+            problems.append(f"it has no {what} (a *ForCausalLM model is expected)")
+    if config is not None:
+        if getattr(config, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={config.hidden_act!r} (coda's MLP is SwiGLU)")
+        if getattr(config, "mlp_bias", False):
+            problems.append("mlp_bias=True (coda's MLP has no bias)")
+    if hasattr(model, "lm_head") and getattr(model.lm_head, "bias", None) is not None:
+        problems.append("lm_head has a bias")
+    return problems
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Patch a transformers Llama or Mistral *ForCausalLM model in place to run coda's ops.
+
+    Returns the model; `model.coda_patched` lists the swapped modules by name (also logged to the
+    "coda" logger). Raises TypeError naming what does not fit for a model it cannot patch.
+    Patching twice is a no-op."""
+    problems = _check(model)
+    if problems:
+        raise TypeError(f"coda.patch: cannot patch {type(model).__name__}: " + "; ".join(problems))
+    if getattr(model, "coda_patched", None):
+        return model
+    swapped = []
+    for i, layer in enumerate(model.model.layers):
+        norm, mlp = layer.post_attention_layernorm, layer.mlp
+        norm.forward = types.MethodType(_passthrough, norm)
+        object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
+        mlp.forward = types.MethodType(_mlp_forward, mlp)
+        swapped += [f"model.layers.{i}.post_attention_layernorm+mlp -> coda.ops.rmsnorm_swiglu_mlp"]
+    norm = model.model.norm
+    norm._coda_forward, norm._coda_deferred = norm.forward, False
+    norm.forward = types.MethodType(_final_norm, norm)
+    model.forward = types.MethodType(_causal_lm_forward, model)
+    swapped += ["model.norm+lm_head -> coda.ops.rmsnorm_linear (logits)",
+                "lm_head+loss -> coda.ops.linear_cross_entropy (labels)"]
+    model.coda_patched = swapped
+    log.info("coda.patch %s: %s", type(model).__name__, "; ".join(swapped))
+    return model

@@ -1,0 +1,235 @@
+"""coda.models.LlamaForCausalLM: a Llama-family decoder whose blocks run as coda's fused GEMMs.
+
+The residual stream is cut at shifted boundaries (TRANSFORMER.md 7): `first_segment` runs from the
+embedding to layer 0's QKV projection, `block_segment` from layer l's attention output to layer
+l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
+`coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
+Attention is `F.scaled_dot_product_attention` (causal, GQA) between them. The parameters are held
+per HF layer in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v);
+`from_hf` / `to_hf_state_dict` convert from and to transformers' names and layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from .llama_block import NativeBlockWeights, block_segment
+from .llama_ends import first_segment, last_segment
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a Llama-family decoder (the fields of transformers' LlamaConfig that matter)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3: factor, low, high, original max pos
+    tie_word_embeddings: bool = False
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config) -> LlamaConfig:
+        """From a transformers LlamaConfig (v4.56 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
+        problems = []
+        if getattr(config, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={config.hidden_act!r} (coda's MLP is SwiGLU)")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(config, flag, False):
+                problems.append(f"{flag}=True (coda's projections have no bias)")
+        if (getattr(config, "pretraining_tp", 1) or 1) != 1:
+            problems.append(f"pretraining_tp={config.pretraining_tp}")
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                       float(rope["original_max_position_embeddings"]))
+        elif rope_type != "default":
+            problems.append(f"rope_type={rope_type!r} (coda supports 'default' and 'llama3')")
+        if problems:
+            raise ValueError("coda LlamaForCausalLM cannot represent this config: " + "; ".join(problems))
+        heads = config.num_attention_heads
+        return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                   intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                   num_attention_heads=heads, num_key_value_heads=config.num_key_value_heads or heads,
+                   head_dim=getattr(config, "head_dim", None), rms_norm_eps=float(config.rms_norm_eps),
+                   rope_theta=float(theta), rope_scaling=scaling,
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+@dataclass
+class CausalLMOutput:
+    """`loss`: mean cross-entropy over non-ignored next-token labels (None without labels);
+    `logits`: [B, S, V] (None when labels are given: they are never materialized)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer's parameters in coda's layouts (used across two segments)."""
+
+    def __init__(self, c: LlamaConfig, **factory: object) -> None:
+        super().__init__()
+        d, f, hd = c.hidden_size, c.intermediate_size, c.dim_per_head
+        self.attn_norm = nn.Parameter(torch.ones(d, **factory))
+        self.w_qkv = nn.Parameter(torch.empty((c.num_attention_heads + 2 * c.num_key_value_heads) * hd, d, **factory))
+        self.wo = nn.Parameter(torch.empty(d, c.num_attention_heads * hd, **factory))
+        self.ffn_norm = nn.Parameter(torch.ones(d, **factory))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * f, d, **factory))
+        self.w_down = nn.Parameter(torch.empty(d, f, **factory))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama decoder + LM head + loss on coda's fused ops. `model(input_ids, labels=None,
+    position_ids=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward."""
+
+    def __init__(self, config: LlamaConfig, *, checkpoint: bool = False, initializer_range: float = 0.02,
+                 **factory: object) -> None:
+        super().__init__()
+        self.config, self.checkpoint = config, checkpoint
+        c = config
+        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory))
+        self.layers = nn.ModuleList(LlamaLayer(c, **factory) for _ in range(c.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
+        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size,
+                                                                                   **factory))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, initializer_range)
+
+    # -- conversion ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:
+        """The same weights as a transformers LlamaForCausalLM, copied into coda's layouts (same
+        dtype and device)."""
+        config = LlamaConfig.from_hf(hf_model.config)
+        sd = hf_model.state_dict()
+        ref = sd["model.embed_tokens.weight"]
+        with torch.device("meta"):
+            model = cls(config, checkpoint=checkpoint, dtype=ref.dtype)
+        model.to_empty(device=ref.device)
+        model.load_hf_state_dict(sd)
+        return model
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named, HF-layout weights into this model's parameters."""
+        c, hd = self.config, self.config.dim_per_head
+        with torch.no_grad():
+            self.embed_tokens.copy_(sd["model.embed_tokens.weight"])
+            self.norm.copy_(sd["model.norm.weight"])
+            if self.lm_head is not None:
+                self.lm_head.copy_(sd["lm_head.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.attn_norm.copy_(sd[p + "input_layernorm.weight"])
+                layer.ffn_norm.copy_(sd[p + "post_attention_layernorm.weight"])
+                layer.w_qkv.copy_(torch.cat([
+                    permute_rope_rows(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads, hd),
+                    permute_rope_rows(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads, hd),
+                    sd[p + "self_attn.v_proj.weight"]]))
+                layer.wo.copy_(sd[p + "self_attn.o_proj.weight"])
+                layer.w_gate_up.copy_(interleave_gate_up(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]))
+                layer.w_down.copy_(sd[p + "mlp.down_proj.weight"])
+
+    def to_hf_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
+        """transformers' names and layouts (new contiguous tensors; the exact inverse of from_hf).
+        grads=True: the parameters' gradients instead (zeros where None), e.g. to compare with an
+        HF model's; a tied embedding's gradient includes the LM head's, as HF's tied weight's does."""
+        c, hd = self.config, self.config.dim_per_head
+        nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
+
+        def get(p: torch.Tensor) -> torch.Tensor:
+            if not grads:
+                return p.detach()
+            return torch.zeros_like(p) if p.grad is None else p.grad
+
+        sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": get(self.embed_tokens)}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            w_qkv = get(layer.w_qkv)
+            gate, up = split_gate_up(get(layer.w_gate_up))
+            sd.update({
+                p + "self_attn.q_proj.weight": unpermute_rope_rows(w_qkv[:nq], c.num_attention_heads, hd),
+                p + "self_attn.k_proj.weight": unpermute_rope_rows(w_qkv[nq:nq + nk], c.num_key_value_heads, hd),
+                p + "self_attn.v_proj.weight": w_qkv[nq + nk:],
+                p + "self_attn.o_proj.weight": get(layer.wo),
+                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": get(layer.w_down),
+                p + "input_layernorm.weight": get(layer.attn_norm),
+                p + "post_attention_layernorm.weight": get(layer.ffn_norm),
+            })
+        sd["model.norm.weight"] = get(self.norm)
+        sd["lm_head.weight"] = get(self.embed_tokens if self.lm_head is None else self.lm_head)
+        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _segment_weights(self, i: int) -> NativeBlockWeights:
+        """Layer i's attention output projection and MLP with layer i+1's norm and QKV projection."""
+        c, this, nxt = self.config, self.layers[i], self.layers[i + 1]
+        return NativeBlockWeights(wo=this.wo, g_ffn=this.ffn_norm, w_gate_up=this.w_gate_up, w_down=this.w_down,
+                                  g_attn=nxt.attn_norm, w_qkv=nxt.w_qkv, n_heads=c.num_attention_heads,
+                                  n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
+                                  rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling))
+
+    def _attention(self, qkv: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        c, hd = self.config, self.config.dim_per_head
+        h, kv = c.num_attention_heads, c.num_key_value_heads
+        q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd), enable_gqa=h != kv)
+        return out.transpose(1, 2).reshape(batch * seq, h * hd)
+
+    def _layer(self, i: int, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int):
+        """Layer i's attention, then the segment to layer i+1's qkv (or, for the last, the final norm)."""
+        attn = self._attention(qkv, batch, seq)
+        if i + 1 < len(self.layers):
+            return block_segment(attn, x, pos, self._segment_weights(i))
+        layer = self.layers[i]
+        return last_segment(attn, x, layer.wo, layer.ffn_norm, layer.w_gate_up, layer.w_down, self.norm,
+                            self.config.rms_norm_eps), None
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> CausalLMOutput:
+        c = self.config
+        batch, seq = input_ids.shape
+        if position_ids is None:
+            pos = torch.arange(seq, device=input_ids.device).repeat(batch)
+        else:
+            pos = position_ids.expand(batch, seq).reshape(-1)
+        x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
+        first = self.layers[0]
+        qkv = first_segment(x, pos, first.attn_norm, first.w_qkv, n_heads=c.num_attention_heads,
+                            n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
+                            rope_scaling=c.rope_scaling)
+        for i in range(len(self.layers)):
+            if self.checkpoint and self.training and torch.is_grad_enabled():
+                x, qkv = checkpoint(self._layer, i, x, qkv, pos, batch, seq, use_reentrant=False)
+            else:
+                x, qkv = self._layer(i, x, qkv, pos, batch, seq)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if labels is None:
+            return CausalLMOutput(logits=F.linear(x, head).view(batch, seq, -1))
+        target = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)  # HF's shift: token t predicts t + 1
+        return CausalLMOutput(loss=linear_cross_entropy(x, head, target))

@@ -1,0 +1,103 @@
+"""One helper for coda's differentiable operators: a forward and a backward `torch.library`
+custom op (each with its fake kernel, so `torch.compile(fullgraph=True)` traces them) tied
+together by autograd.
+
+An operator file then only says what is specific to it:
+
+    op = fused_op(
+        "coda::my_op",
+        forward=_fwd,            # annotated (the op schema comes from it): public outputs first, then
+                                 # the internal ones backward needs (never returned to the user)
+        fake=_fwd_fake,          # the same outputs' shapes and dtypes
+        save=_save,              # _save(*forward_inputs, out=outputs) -> the arguments backward takes
+                                 # after the gradients: tensors, lists of tensors, plain values
+        backward=_bwd,           # annotated: (*grads of the public outputs, *saved) -> input gradients,
+                                 # in the order of `grads`, a list input contributing one per element
+        backward_fake=_bwd_fake,
+        grads=("x", "weight"),   # the forward inputs that get gradients; the rest get None
+        outputs=1,               # how many of forward's outputs are public
+    )
+    y = op(x, weight, eps)       # the public outputs (one tensor when outputs=1)
+
+The ops are named `<name>_fwd` and `<name>_bwd`. Gradients of internal outputs are never
+materialized (`ctx.set_materialize_grads(False)`); a public output the loss did not use gets
+zeros before backward runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+
+_TENSOR, _LIST, _VALUE = "tensor", "list", "value"
+
+
+class FusedOp:
+    """A forward/backward custom-op pair with autograd; see the module docstring."""
+
+    def __init__(self, name: str, *, forward: Callable, fake: Callable, save: Callable, backward: Callable,
+                 backward_fake: Callable, grads: Sequence[str], outputs: int = 1) -> None:
+        params = list(inspect.signature(forward).parameters)
+        unknown = [g for g in grads if g not in params]
+        if unknown:
+            raise ValueError(f"fused_op {name}: grads {unknown} are not inputs of forward {params}")
+        self.name, self.outputs = name, outputs
+        self._grad_slots = frozenset(params.index(g) for g in grads)
+        self.forward = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=())
+        self.forward.register_fake(fake)
+        self.backward = torch.library.custom_op(f"{name}_bwd", backward, mutates_args=())
+        self.backward.register_fake(backward_fake)
+        self._save = save
+        torch.library.register_autograd(f"{name}_fwd", self._autograd_backward, setup_context=self._setup)
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.forward(*args)
+        return out[0] if self.outputs == 1 else tuple(out[: self.outputs])
+
+    def _setup(self, ctx, inputs, output) -> None:
+        output = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        saved = self._save(*inputs, out=output)
+        tensors, layout = [], []
+        for item in saved:
+            if isinstance(item, torch.Tensor):
+                tensors.append(item)
+                layout.append((_TENSOR, None))
+            elif isinstance(item, (list, tuple)) and item and all(isinstance(t, torch.Tensor) for t in item):
+                tensors.extend(item)
+                layout.append((_LIST, len(item)))
+            else:
+                layout.append((_VALUE, item))
+        ctx.save_for_backward(*tensors)
+        ctx.layout = layout
+        ctx.public = [(o.shape, o.dtype, o.device) for o in output[: self.outputs]]
+        ctx.input_lists = [len(x) if isinstance(x, (list, tuple)) else None for x in inputs]
+        ctx.set_materialize_grads(False)  # no zeros for the internal outputs' gradients
+
+    def _autograd_backward(self, ctx, *grads):
+        public = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                  for g, (shape, dtype, device) in zip(grads[: self.outputs], ctx.public)]
+        tensors, args = iter(ctx.saved_tensors), []
+        for kind, value in ctx.layout:
+            if kind == _TENSOR:
+                args.append(next(tensors))
+            elif kind == _LIST:
+                args.append([next(tensors) for _ in range(value)])
+            else:
+                args.append(value)
+        flat = iter(self.backward(*public, *args))
+        result = []
+        for i, n in enumerate(ctx.input_lists):
+            if i not in self._grad_slots:
+                result.append(None)
+            elif n is None:
+                result.append(next(flat))
+            else:
+                result.append([next(flat) for _ in range(n)])
+        return tuple(result)
+
+
+def fused_op(name: str, **parts: Any) -> FusedOp:
+    """A differentiable custom op from its parts (see the module docstring)."""
+    return FusedOp(name, **parts)

@@ -1,0 +1,68 @@
+"""rmsnorm_swiglu_mlp(x, g, W_gate, W_up, W_down) = swiglu_mlp(F.rms_norm(x, g), ...): a norm and
+the MLP behind it (Llama's post-attention norm + MLP), with the norm inside the GEMMs.
+
+Forward: one row pass (rstd, h = x*rstd*g, F.rms_norm's output: x*g alone can overflow fp16),
+the gate/up GEMM applying SwiGLU in its epilogue (TRANSFORMER.md 2), the down GEMM. Backward: the SwiGLU-backward GEMM also reduces the
+norm's row term zdz (section 6), so the RMSNorm-backward GEMM gives dx directly (section 5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import gemm
+from . import epilogues as E
+from .custom import fused_op
+from .layout import interleave_gate_up, split_gate_up
+from .rowwise import rms_prep
+
+
+def _fwd(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, rstd = rms_prep(x, norm_weight, eps)  # h = F.rms_norm(x, g): rstd is applied already
+    c = gemm(h, interleave_gate_up(w_gate, w_up).T, E.swiglu_save)
+    return gemm(c["y"], w_down.T), c["z"], rstd
+
+
+def _fwd_fake(x, norm_weight, w_gate, w_up, w_down, eps):
+    m = x.shape[0]
+    return x.new_empty(m, w_down.shape[0]), x.new_empty(m, 2 * w_gate.shape[0]), x.new_empty(m, dtype=torch.float32)
+
+
+def _save(x, norm_weight, w_gate, w_up, w_down, eps, *, out):
+    return x, norm_weight, w_gate, w_up, w_down, out[1], out[2]
+
+
+def _bwd(dout: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+         w_down: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor) -> list[torch.Tensor]:
+    dout = dout.contiguous()
+    w_gu = interleave_gate_up(w_gate, w_up)
+    sb = gemm(dout, w_down, E.swiglu_backward_zdz, z=z)
+    dw_down = gemm(dout.T, sb["y"])
+    n = gemm(sb["dz"], w_gu, E.rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
+             zdz_over_d=sb["zdz"] / x.shape[-1])
+    dw_gate, dw_up = split_gate_up(gemm(sb["dz"].T, n["normed"]))
+    return [n["dx"], n["dg"].to(norm_weight.dtype), dw_gate.contiguous(), dw_up.contiguous(), dw_down]
+
+
+def _bwd_fake(dout, x, norm_weight, w_gate, w_up, w_down, z, rstd):
+    return [torch.empty_like(t) for t in (x, norm_weight, w_gate, w_up, w_down)]
+
+
+_op = fused_op("coda::rmsnorm_swiglu_mlp", forward=_fwd, fake=_fwd_fake, save=_save, backward=_bwd,
+               backward_fake=_bwd_fake, grads=("x", "norm_weight", "w_gate", "w_up", "w_down"))
+
+
+def rmsnorm_swiglu_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                       w_down: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """swiglu_mlp(F.rms_norm(x, (D,), norm_weight, eps), w_gate, w_up, w_down), with gradients for all.
+
+    x: [..., D]; norm_weight: [D]; w_gate, w_up: [F, D]; w_down: [D, F]. Returns [..., D]."""
+    d = x.shape[-1]
+    if norm_weight.shape != (d,) or w_gate.shape != w_up.shape or w_gate.dim() != 2 or w_gate.shape[1] != d \
+            or w_down.shape != (d, w_gate.shape[0]):
+        raise ValueError(
+            f"rmsnorm_swiglu_mlp: x {list(x.shape)}, norm_weight {list(norm_weight.shape)}, w_gate "
+            f"{list(w_gate.shape)}, w_up {list(w_up.shape)}, w_down {list(w_down.shape)} must be [..., D], [D], "
+            f"[F, D], [F, D], [D, F]")
+    return _op(x.reshape(-1, d), norm_weight, w_gate, w_up, w_down, float(eps)).reshape(x.shape)

@@ -1,0 +1,146 @@
+"""coda.models.LlamaForCausalLM against the unmodified transformers Llama (tiny configs built from
+LlamaConfig, nothing downloaded): loss and every parameter gradient in fp32, the state-dict round
+trip, logits, torch.compile(fullgraph=True), activation checkpointing, bf16 error against HF's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from coda.models import LlamaForCausalLM  # noqa: E402
+from conftest import DEVICE  # noqa: E402
+
+VOCAB, SEQ = 96, 8
+# With head_dim 8 the four RoPE wavelengths (6, 63, 628, 6283) fall one below high_wavelen (kept), one
+# between (blended), two above low_wavelen (slowed by factor): every branch of the llama3 rule.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 8.0, "original_max_position_embeddings": 256}
+
+
+def hf_llama(tied: bool, rope: dict | None = None, dtype: torch.dtype = torch.float32, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=tied, rope_parameters=rope, **kw)
+    model = transformers.LlamaForCausalLM(cfg).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():  # HF initializes norms to ones: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g).to(DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored tokens
+    labels[1, 5] = -100
+    return ids, labels
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def hf_grads(model) -> dict[str, torch.Tensor]:
+    sd = {n: p.grad for n, p in model.named_parameters()}
+    if "lm_head.weight" not in sd:  # tied: one parameter under the embedding's name
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
+@pytest.mark.parametrize("tied,rope,offset", [(False, LLAMA3_ROPE, 300), (True, None, None)],
+                         ids=["untied-llama3_rope-position_ids", "tied"])
+def test_loss_and_every_gradient_match_hf_in_fp32(tied: bool, rope: dict | None, offset: int | None) -> None:
+    hf = hf_llama(tied, rope)
+    model = LlamaForCausalLM.from_hf(hf)
+    assert model.config.tie_word_embeddings == tied and (model.lm_head is None) == tied
+    ids, labels = batch()
+    pos = None if offset is None else (torch.arange(SEQ, device=DEVICE) + offset)[None].expand(2, SEQ)
+    ours = model(ids, labels=labels, position_ids=pos)
+    theirs = hf(input_ids=ids, labels=labels, position_ids=pos)
+    assert ours.logits is None
+    assert abs(ours.loss.item() - theirs.loss.item()) < 1e-5 * abs(theirs.loss.item())
+    ours.loss.backward()
+    theirs.loss.backward()
+    mine, ref = model.to_hf_state_dict(grads=True), hf_grads(hf)
+    assert set(mine) == set(ref)
+    for name, g in ref.items():
+        assert rel(mine[name], g) < 1e-5, f"{name}: relative error {rel(mine[name], g):.3g}"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_state_dict_round_trip_is_exact(tied: bool) -> None:
+    hf = hf_llama(tied, LLAMA3_ROPE)
+    model = LlamaForCausalLM.from_hf(hf)
+    sd, ref = model.to_hf_state_dict(), hf.state_dict()
+    assert list(sd) == list(ref)
+    assert all(torch.equal(sd[k], ref[k]) and sd[k].dtype == ref[k].dtype for k in ref)
+    other = hf_llama(tied, LLAMA3_ROPE, seed=7)
+    other.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), ref.values()))
+    again = LlamaForCausalLM.from_hf(other)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_logits_without_labels_match_hf() -> None:
+    hf = hf_llama(False)
+    model = LlamaForCausalLM.from_hf(hf)
+    ids, _ = batch()
+    with torch.no_grad():
+        out, ref = model(ids), hf(input_ids=ids)
+    assert out.loss is None and out.logits.shape == ref.logits.shape == (2, SEQ, VOCAB)
+    assert rel(out.logits, ref.logits) < 1e-5
+
+
+def test_compiled_fullgraph_and_checkpointed_give_the_eager_results() -> None:
+    torch._dynamo.reset()
+    hf = hf_llama(True)
+    ids, labels = batch()
+    results = []
+    for mode in ("eager", "compiled", "checkpointed"):
+        model = LlamaForCausalLM.from_hf(hf, checkpoint=mode == "checkpointed")
+        fn = torch.compile(model, fullgraph=True, backend="eager") if mode == "compiled" else model
+        loss = fn(ids, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), model.to_hf_state_dict(grads=True)))
+    (loss0, g0), *others = results
+    for loss, g in others:
+        torch.testing.assert_close(loss, loss0)
+        for name in g0:
+            torch.testing.assert_close(g[name], g0[name], msg=name)
+
+
+def test_bf16_error_is_within_hf_bf16_error() -> None:
+    """Against HF in fp32 (same weights, rounded to bf16 first): coda's bf16 loss and gradients are
+    no further off than HF's own bf16 run (with a factor for the different rounding points)."""
+    hf32 = hf_llama(False, LLAMA3_ROPE)
+    hf32.to(torch.bfloat16).float()  # the weights both bf16 runs see, exactly
+    hf16 = hf_llama(False, LLAMA3_ROPE, dtype=torch.bfloat16)
+    hf16.load_state_dict(hf32.state_dict())
+    model = LlamaForCausalLM.from_hf(hf16)
+    ids, labels = batch()
+    runs = {}
+    for name, m in (("ref", hf32), ("hf", hf16)):
+        out = m(input_ids=ids, labels=labels)
+        out.loss.backward()
+        runs[name] = (out.loss.detach().float(), {k: v.float() for k, v in hf_grads(m).items()})
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    runs["coda"] = (out.loss.detach().float(), {k: v.float() for k, v in model.to_hf_state_dict(grads=True).items()})
+    ref_loss, ref_grads = runs["ref"]
+    hf_loss_err = abs(runs["hf"][0] - ref_loss).item()
+    assert abs(runs["coda"][0] - ref_loss).item() <= 2 * hf_loss_err + 2**-8 * abs(ref_loss.item())
+    for name, g in ref_grads.items():
+        hf_err, coda_err = rel(runs["hf"][1][name], g), rel(runs["coda"][1][name], g)
+        assert coda_err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {coda_err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
+def test_unsupported_configs_are_refused_clearly() -> None:
+    hf = hf_llama(False, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                          "original_max_position_embeddings": 32})
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        LlamaForCausalLM.from_hf(hf)

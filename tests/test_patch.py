@@ -1,0 +1,106 @@
+"""coda.patch on transformers Llama and Mistral models (tiny, built from configs): the same loss and
+gradients as the unpatched model in fp32, unchanged parameter names and state_dict, the same greedy
+.generate() tokens, clear refusals; and the fused norm + MLP op it uses against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import coda  # noqa: E402
+from conftest import DEVICE, EPS  # noqa: E402
+
+VOCAB, SEQ = 96, 8
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def hf_model(kind: str, **kw):
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True, **kw))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, **kw))
+    model = model.to(DEVICE).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_patched_model_trains_like_the_unpatched_one(kind: str) -> None:
+    ref = hf_model(kind)
+    model = copy.deepcopy(ref)
+    names, sd = [n for n, _ in ref.named_parameters()], ref.state_dict()
+    assert coda.patch(model) is model
+    assert len(model.coda_patched) == SHAPE["num_hidden_layers"] + 2
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == list(sd) and all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+    ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    ours, theirs = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert ours.logits is None and theirs.logits is not None
+    assert abs(ours.loss.item() - theirs.loss.item()) < 1e-5 * theirs.loss.item()
+    ours.loss.backward()
+    theirs.loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel(p.grad, q.grad) < 1e-5, f"{name}: relative error {rel(p.grad, q.grad):.3g}"
+    with torch.no_grad():  # logits without labels: the final norm + LM head through rmsnorm_linear
+        assert rel(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+
+
+def test_patched_generate_gives_the_same_tokens() -> None:
+    ref = hf_model("llama")
+    model = coda.patch(copy.deepcopy(ref))
+    prompt = torch.randint(0, VOCAB, (2, 4), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **args), ref.generate(prompt, **args))
+
+
+def test_patch_is_per_instance_and_idempotent() -> None:
+    model, other = hf_model("llama"), hf_model("llama")
+    coda.patch(model)
+    report = list(model.coda_patched)
+    assert coda.patch(model).coda_patched == report
+    assert "forward" not in vars(other) and "forward" not in vars(other.model.layers[0].mlp)
+
+
+def test_unpatchable_models_are_refused_clearly() -> None:
+    with pytest.raises(TypeError, match=r"hidden_act='gelu'"):
+        coda.patch(hf_model("llama", hidden_act="gelu"))
+    with pytest.raises(TypeError, match=r"cannot patch Linear: model_type None is not one of"):
+        coda.patch(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_swiglu_mlp_matches_pytorch(dtype: torch.dtype) -> None:
+    def leaf(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=DEVICE) * s).to(dtype).requires_grad_()
+
+    d, f = 24, 40
+    x, g = leaf(2, 9, d), leaf(d, s=0.3)
+    wg, wu, wd = leaf(f, d, s=d**-0.5), leaf(f, d, s=d**-0.5), leaf(d, f, s=f**-0.5)
+    out = coda.ops.rmsnorm_swiglu_mlp(x, g, wg, wu, wd, eps=1e-5)
+    h = F.rms_norm(x.float(), (d,), g.float(), 1e-5)
+    ref = F.linear(F.silu(F.linear(h, wg.float())) * F.linear(h, wu.float()), wd.float())
+    bound = 1e-5 if dtype == torch.float32 else 6 * EPS[dtype]
+    assert out.shape == x.shape and rel(out, ref) < bound
+    dout = torch.randn_like(ref)
+    params = (x, g, wg, wu, wd)
+    for name, a, b in zip("x g w_gate w_up w_down".split(), torch.autograd.grad(out, params, dout.to(dtype)),
+                          torch.autograd.grad(ref, params, dout)):
+        assert rel(a, b) < bound, f"d{name}: {rel(a, b):.3g}"

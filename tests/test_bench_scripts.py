@@ -83,3 +83,20 @@ def test_host_overhead_script() -> None:
     a = torch.randn(8, 16, device=DEVICE)
     b = torch.randn(16, 24, device=DEVICE)
     assert_close(coda.gemm(a, b), a @ b, a, b, "a real kernel after the script")
+
+
+def test_block_kernels_script(cpu_harness) -> None:
+    """Every GEMM of a tiny block, recorded and replayed on each backend: on the CPU the Triton
+    replay passes its fp32 check and gluon-hopper is refused with its reason (the interpreter)."""
+    import block_kernels as bk
+
+    rows, swept = bk.kernel_rows(64, 48, 40, sweep=False, heads=4, kv=2)
+    assert [r["kernel"].split(":")[1] for r in rows] == [
+        "residual_norm_stats", "rms_swiglu", "residual_norm_stats", "rms_rope", "rmsnorm_backward_residual", "plain",
+        "swiglu_backward_zdz", "plain", "rmsnorm_backward_residual", "plain", "plain", "plain"]
+    assert {r["backend"] for r in rows} == {"triton"} and all(r["chosen"] for r in rows) and not swept
+    assert all(r["err"] < 2e-2 for r in rows)
+    refused = [n for n in cpu_harness.NOTES if "gluon-hopper" in n]
+    assert len(refused) == 12 and all("interpreter" in n for n in refused)
+    md = bk.table({"rows": rows, "block": [{"D": 64, "variant": "coda", "ms": 1.0}]})
+    assert "| 64 | fwd1:rms_swiglu | [40, 96, 64] |" in md and "| 64 | coda | 1.000 | - |" in md

@@ -28,6 +28,14 @@ class Dialect:
         """A value produced by reshape/split/join, in the epilogue's layout again."""
         return expr if self.ns == "tl" else f"gl.convert_layout({expr}, EPI)"
 
+    def interleave(self, x: str, y: str, kind: object, columns: str) -> str:
+        """Columns (x_0, y_0, x_1, y_1, ...). Triton's own interleave; in Gluon a join and reshape,
+        back in the epilogue's layout."""
+        if self.ns == "tl":
+            return f"tl.interleave({x}, {y})"
+        rows = "BLOCK_M" if kind.value == "tile" else "1"
+        return self.relayout(f"gl.reshape(gl.join({x}, {y}), ({rows}, {columns}))")
+
     def tma_tile_load(self, name: str, base: str, col: str) -> str:
         """One (sub)tile of a TMA-read Tile operand."""
         if self.ns == "tl":

@@ -162,9 +162,7 @@ class EpilogueEmitter:
                 even, odd = self._split(node.x)
                 self.var[nid], self.dtype[nid] = (even, odd)[node.half], self.dtype[node.x]
             elif isinstance(node, InterleaveNode):
-                rows = "BLOCK_M" if node.kind == Kind.TILE else "1"
-                joined = f"{self.ns}.join({self.f32(node.x)}, {self.f32(node.y)})"
-                self._set(nid, self.d.relayout(f"{self.ns}.reshape({joined}, ({rows}, {cols(node.frac_width)}))"), "f32")
+                self._set(nid, self.d.interleave(self.f32(node.x), self.f32(node.y), node.kind, cols(node.frac_width)), "f32")
 
     def _split(self, x: int) -> tuple[str, str]:
         if x not in self._splits:

@@ -59,7 +59,7 @@ def gluon_first(graph: Graph) -> bool:
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
     """The backends this call may run on, preferred first; says (debug log) why not Gluon."""
     setting = backend_setting()
-    if setting == "triton" or interpret:
+    if setting == "triton":
         return ("triton",)
     reason = gluon_reason(call, interpret)
     if reason is None:
@@ -84,9 +84,9 @@ def _memo(call: Call, fields: tuple, backends: tuple[str, ...]) -> tuple:
 def pick_config(call: Call, interpret: bool, launch) -> Config:
     """The config for a validated call; `launch(call, cfg)` runs one (the tuner's benchmark)."""
     graph, m, n, k = call.graph, call.m, call.n, call.k
+    backends = backends_for(call, interpret)  # raises if CODA_BACKEND forces a backend that cannot run this
     if interpret:
         return default_config(graph, call.in_dtype, True, m, n, k)
-    backends = backends_for(call, interpret)
     fields = spec_fields(call, interpret)
     memo = _memo(call, fields, backends)
     cfg = _chosen.get(memo)

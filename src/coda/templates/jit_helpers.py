@@ -37,10 +37,11 @@ def _trig(x, shift: tl.constexpr):
     # q = round(x / (pi/2)) with pi/2 in five 8-bit pieces, r = x - q * pi/2 by fused
     # multiply-adds (exact while q is: |x| < 2.6e7 on the GPU; the interpreter's unfused
     # fma keeps it exact for |x| < 1e5), then odd/even polynomials on [-pi/4, pi/4]: ~2 ulp.
-    # Beyond that r is clamped to [-0.8, 0.8] (inside it the polynomials stay in [-1, 1]) and the
-    # quadrant is q mod 4 taken in fp32 (exact for any integer-valued q; q.to(int32) overflows
-    # past 2**31): the result is bounded, not accurate. NaN and inf give NaN (the clamp uses
-    # where, which keeps NaN).
+    # Beyond that r is clamped to [-0.8, 0.8] (inside it the polynomials stay in [-1, 1]), so the
+    # result is bounded, not accurate; past 2**31 the quadrant q.to(int32) is out of range (the
+    # GPU saturates) but still one of the four. NaN and inf give NaN (the clamp uses where, which
+    # keeps NaN). The quadrant stays an integer conversion: taking q mod 4 in fp32 instead made the
+    # sm_90 compile of RoPE stage its whole 128x256 tile in shared memory (278 KB, over the limit).
     q = tl.floor(x * 0.6366197723675814 + 0.5)
     r = tl.fma(q, -1.5703125, x)
     r = tl.fma(q, -0.000484466552734375, r)
@@ -51,7 +52,7 @@ def _trig(x, shift: tl.constexpr):
     z = r * r
     s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
     c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
-    k = ((q - 4.0 * tl.floor(q * 0.25)).to(tl.int32) + shift) & 3
+    k = (q.to(tl.int32) + shift) & 3
     return tl.where(k == 0, s, tl.where(k == 1, c, tl.where(k == 2, -s, -c)))
 
 

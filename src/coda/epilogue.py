@@ -33,7 +33,8 @@ class Epilogue:
         return results[self.graph.outputs[0].name] if self.graph.single else results
 
     def source(self, a: torch.Tensor, b: torch.Tensor, **operands: object) -> str:
-        """The generated Triton source that coda.gemm(a, b, self, **operands) runs."""
+        """The generated source (Triton or Gluon, its first line says which and why) of the kernel
+        coda.gemm(a, b, self, **operands) runs, at the default config (tuning may pick another)."""
         return _source(self.graph, a, b, operands)
 
 

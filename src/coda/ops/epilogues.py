@@ -146,8 +146,8 @@ def rmsnorm_backward_rowterm(acc, x: Tile, norm_weight: VecN, rstd: VecM):
 
 @epilogue
 def rmsnorm_backward_residual(acc, grad: Tile, x: Tile, norm_weight: VecN, rstd: VecM, zdz_over_d: VecM):
-    """Section 5 with the residual gradient: dx = grad + (the RMSNorm input gradient), written
-    in place over `grad` (pass it also as out=)."""
+    """Section 5 with the residual gradient: dx = grad + (the RMSNorm input gradient). It may be
+    written in place over `grad` (pass it also as out=); the block writes a fresh tensor."""
     return {
         "dx": grad + rstd * (norm_weight * acc) - rstd * rstd * x * zdz_over_d,
         "normed": rstd * x * norm_weight,

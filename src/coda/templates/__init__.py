@@ -20,8 +20,9 @@ per epilogue subtile (codegen repeats the epilogue block once per subtile):
 Argument names: coda.codegen.spec.operand_args / output_args (in_<operand>..., out_<output>...).
 Hooks every template declares: kernel_name, epilogue_name, graph_hash, args, rows, row_loads, epilogue.
 gluon-hopper adds, inside a consumer partition: CID (0 or 1), local (the tile's position in the
-program's tile order), EPI / ROWS / COLS (the epilogue's blocked layout and its row/column
-slices: every epilogue value lives in EPI or a slice of it), e_slot (the Tile-operand ring slot
+program's tile order), EPI / ROWS / COLS (the epilogue's layout and its row/column slices:
+the wgmma accumulator layout, or a blocked layout when the epilogue reshapes tiles; every
+epilogue value lives in EPI or a slice of it), e_slot (the Tile-operand ring slot
 of this subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
 (per-consumer TMA staging buffers, [2, BLOCK_M, cols]); its extra hooks are consumer_params,
 consumer_args, alloc, acc_init, mma, mma_drain, epilogue_loader, epilogue_loader_partition,

@@ -1,0 +1,319 @@
+"""The two backends without compiling anything (in-process, fast).
+
+* The primitive table: every primitive has a text in both dialects and a torch reference.
+* gluon-hopper refuses what it cannot run (fp32 a/b, a/b that TMA cannot read, the interpreter)
+  with a reason, and its generated source parses for every block epilogue and random programs,
+  under the specialization the runtime makes.
+* Backend choice on the CPU: `.source()` says why it is Triton; CODA_BACKEND is checked.
+* Cache keys fail closed: the generator fingerprint is in the kernel key, and any change to a
+  file under coda/ir, coda/codegen or coda/templates changes the fingerprint.
+* Config refuses impossible gluon-hopper configs; the tuner's space holds both backends and its
+  shared-memory pruning counts gluon-hopper's doubled staging.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, note, settings
+
+import coda
+from coda.codegen import generate, gluon_kernel, unsupported
+from coda.epilogue import Epilogue
+from coda.ir.primitives import BACKENDS, PRIMITIVES, REDUCTIONS
+from coda.ir.types import Kind
+from coda.ops import epilogues as E
+from coda.runtime import autotune, cache, fingerprint
+from coda.runtime.aot import hopper_spec
+from coda.runtime.config import (GLUON_CONSUMERS, GLUON_E_STAGES, HOPPER_SMEM_BYTES, Config, default_config,
+                                 gluon_scratch_bytes,
+                                 ring_bytes, staging_bytes, store_bytes, tile_load_bytes)
+from coda.runtime.launch import PLAIN
+from coda.runtime.specialize import make_spec, spec_fields
+from coda.runtime.validate import validate
+from conftest import GPU
+from test_properties import Program, programs
+
+cpu_only = pytest.mark.skipif(GPU, reason="checks the choice made without a GPU (Triton's interpreter)")
+
+EPILOGUES: dict[str, Epilogue] = {ep.graph.name: ep for ep in vars(E).values() if isinstance(ep, Epilogue)}
+EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32))})
+M, N, K = 256, 256, 128
+INTERPRETER = "Gluon kernels do not run under Triton's interpreter"
+
+
+def _zeros(graph, dtypes: dict[str, torch.dtype | None], m: int = M, n: int = N) -> dict[str, object]:
+    """CPU operands of the right shapes (a Python number where the dtype is None)."""
+    ops: dict[str, object] = {}
+    for s in graph.operands:
+        dtype = dtypes.get(s.name)
+        if s.kind == Kind.SCALAR and dtype is None:
+            ops[s.name] = 0.5
+            continue
+        cols = int(n * s.frac_width)
+        shape = {Kind.SCALAR: (), Kind.VEC_M: (m,), Kind.VEC_N: (cols,), Kind.TILE: (m, cols)}[s.kind]
+        ops[s.name] = torch.zeros(shape, dtype=dtype)
+    return ops
+
+
+def block_dtypes(graph) -> dict[str, torch.dtype | None]:
+    """What a Llama block passes: Tile operands bf16, vectors fp32, targets and positions int64."""
+    def dtype(s):
+        if s.kind == Kind.SCALAR:
+            return None
+        if s.name in ("target", "pos"):
+            return torch.int64
+        return torch.bfloat16 if s.kind == Kind.TILE else torch.float32
+    return {s.name: dtype(s) for s in graph.operands}
+
+
+def runtime_gluon_spec(graph, operands: dict[str, object], *, in_dtype=torch.bfloat16, a_col=False, b_col=True,
+                       k: int = K, n: int = N):
+    """The gluon-hopper specialization the runtime makes for such a call on a GPU, and its config."""
+    a = torch.zeros(k, M, dtype=in_dtype).T if a_col else torch.zeros(M, k, dtype=in_dtype)
+    b = torch.zeros(n, k, dtype=in_dtype).T if b_col else torch.zeros(k, n, dtype=in_dtype)
+    call = validate(graph, a, b, operands, None, True)
+    cfg = default_config(graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper")
+    return make_spec(spec_fields(call, False, cfg)), cfg
+
+
+# -- primitives ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_every_primitive_has_both_texts_and_a_reference(name: str) -> None:
+    prim = PRIMITIVES[name]
+    assert set(prim.text) == set(BACKENDS), f"{name}: texts for {sorted(prim.text)}"
+    args = ("xx", "yy")[:prim.arity]
+    for backend in BACKENDS:
+        text = prim.emit(backend, *args)
+        assert "xx" in text and (prim.arity == 1 or "yy" in text), f"{name} ({backend}): {text!r}"
+        ast.parse(text, mode="eval")
+        assert "NS." not in text and ("gl." if backend == "triton" else "tl.") not in text.replace("tl.PropagateNan", "")
+    assert callable(prim.reference)
+    x = torch.tensor([0.5, 1.5, 2.0])
+    ref = prim.reference(*([x] * prim.arity))
+    assert ref.shape == x.shape and ref.dtype == (torch.bool if prim.result == "bool" else torch.float32)
+
+
+def test_every_reduction_has_an_identity_in_both_dialects() -> None:
+    for red in REDUCTIONS.values():
+        assert isinstance(float(eval(red.identity)), float)  # noqa: S307 - a literal of our own table
+
+
+# -- gluon-hopper's refusals -------------------------------------------------------------------
+
+def test_gluon_refuses_the_interpreter_fp32_and_pointer_operands() -> None:
+    graph = E.rms_swiglu.graph
+    good = hopper_spec(graph, backend="gluon-hopper", subtile=2)
+    assert gluon_kernel.unsupported(graph, good) is None
+    cases = {
+        "interpreter": (good.model_copy(update={"interpret": True}), "interpreter"),
+        "fp32": (hopper_spec(graph, backend="gluon-hopper", in_dtype="float32", subtile=2), "fp32"),
+        "pointer a": (hopper_spec(graph, backend="gluon-hopper", a_load="ptr", subtile=2), "a cannot be read by TMA"),
+        "pointer b": (hopper_spec(graph, backend="gluon-hopper", b_load="ptr", subtile=2), "b cannot be read by TMA"),
+    }
+    for what, (spec, words) in cases.items():
+        reason = gluon_kernel.unsupported(graph, spec)
+        assert isinstance(reason, str) and words in reason, f"{what}: {reason!r}"
+        assert unsupported(graph, spec) == reason  # codegen's dispatcher asks the backend
+        with pytest.raises(ValueError, match="gluon-hopper backend"):
+            generate(graph, spec)
+        assert unsupported(graph, spec.model_copy(update={"backend": "triton"})) is None  # Triton runs everything
+
+
+def test_runtime_spec_of_unaligned_operands_is_refused() -> None:
+    """K = 36 bf16: a row-major a has a 72-byte row pitch, which TMA cannot read."""
+    graph = E.row_scale.graph
+    spec, _ = runtime_gluon_spec(graph, {"rstd": torch.zeros(M)}, k=36)
+    assert spec.a_load == "ptr" and "a cannot be read by TMA" in unsupported(graph, spec)
+    spec, _ = runtime_gluon_spec(graph, {"rstd": torch.zeros(M)}, k=36, a_col=True, b_col=False)
+    assert (spec.a_load, spec.b_load) == ("tma_col", "tma_row") and unsupported(graph, spec) is None
+
+
+# -- gluon-hopper's source parses ----------------------------------------------------------------
+
+def _check_gluon_source(graph, spec) -> None:
+    src = generate(graph, spec)
+    ast.parse(src)
+    assert "gl.warp_specialize" in src and "warpgroup_mma" in src and "coda_kernel = " in src
+    for name in spec.tma_tiles:
+        assert f"ering_{name}" in src
+    for name in spec.tma_stores:
+        assert f"stage_{name}" in src
+
+
+@pytest.mark.parametrize("name", sorted(EPILOGUES) + ["plain"])
+def test_gluon_source_parses_for_every_block_epilogue(name: str) -> None:
+    graph = PLAIN if name == "plain" else EPILOGUES[name].graph
+    spec, cfg = runtime_gluon_spec(graph, _zeros(graph, block_dtypes(graph)))
+    assert spec.backend == "gluon-hopper" and spec.subtile == cfg.subtile
+    assert unsupported(graph, spec) is None
+    _check_gluon_source(graph, spec)
+    for tma in (False, True):  # every Tile operand and store through pointers, or through TMA
+        _check_gluon_source(graph, hopper_spec(graph, backend="gluon-hopper", operand_dtypes={
+            s: (None if d is None else str(d).removeprefix("torch.")) for s, d in block_dtypes(graph).items()},
+            tma_stores=tma, tma_tiles=tma, subtile=cfg.subtile))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(program=programs(64, 64, 32))
+def test_gluon_source_parses_for_random_programs(program: Program) -> None:
+    note(program.source())
+    graph = program.epilogue().graph
+    spec, _ = runtime_gluon_spec(graph, _zeros(graph, {p.name: p.dtype for p in program.params}))
+    note(repr(spec))
+    assert unsupported(graph, spec) is None
+    _check_gluon_source(graph, spec)
+
+
+# -- backend choice on the CPU -------------------------------------------------------------------
+
+@cpu_only
+@pytest.mark.parametrize("name", ["row_scale", "rms_swiglu", "residual_norm_stats", "lm_head_stats"])
+def test_source_says_triton_and_why(name: str) -> None:
+    ep = EPILOGUES[name]
+    ops = _zeros(ep.graph, block_dtypes(ep.graph), m=32, n=32)
+    a, b = torch.zeros(32, 16, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
+    src = ep.source(a, b, **ops)
+    first, _, rest = src.partition("\n")
+    assert first == f"# coda backend: triton: {INTERPRETER}", first
+    ast.parse(rest)
+    assert "tl.dot" in rest and "gl." not in rest
+
+
+@cpu_only
+def test_forced_gluon_backend_raises_with_the_reason_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_BACKEND", "gluon-hopper")
+    a, b = torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"CODA_BACKEND=gluon-hopper.*{INTERPRETER}"):
+        coda.gemm(a, b, E.row_scale, rstd=torch.rand(32))
+
+
+def test_unknown_backend_setting_raises_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODA_BACKEND", "nonsense")
+    device = "cuda" if GPU else "cpu"
+    a, b = torch.randn(32, 16, device=device).bfloat16(), torch.randn(16, 32, device=device).bfloat16()
+    with pytest.raises(ValueError, match="CODA_BACKEND.*'nonsense'"):
+        coda.gemm(a, b)
+    with pytest.raises(ValueError, match="CODA_BACKEND.*'nonsense'"):
+        coda.gemm(a, b, E.row_scale, rstd=torch.rand(32, device=device))
+
+
+# -- cache keys fail closed ------------------------------------------------------------------------
+
+def test_kernel_key_includes_the_generator_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    graph = E.rms_swiglu.graph
+    spec = hopper_spec(graph, backend="gluon-hopper", subtile=2)
+    before = cache.kernel_key(graph, spec)
+    assert cache.kernel_key(graph, spec) == before
+    monkeypatch.setattr(cache, "GENERATOR", "0" * 16)
+    assert cache.kernel_key(graph, spec) != before
+    assert cache.kernel_key(graph, spec.model_copy(update={"backend": "triton"})) != cache.kernel_key(graph, spec)
+
+
+def test_fingerprint_changes_with_any_generator_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of the package's generator sources fingerprints as the package; editing, adding or
+    removing any file under ir/, codegen/ or templates/ changes the fingerprint."""
+    real = Path(fingerprint.__file__).resolve().parent.parent
+    root = tmp_path / "coda"
+    for pkg in ("ir", "codegen", "templates"):
+        shutil.copytree(real / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "runtime").mkdir()
+    monkeypatch.setattr(fingerprint, "__file__", str(root / "runtime" / "fingerprint.py"))
+    base = fingerprint._compute()
+    assert base == fingerprint.GENERATOR
+    files = sorted(p for pkg in ("codegen", "templates", "ir") for p in (root / pkg).glob("*.py"))
+    assert {p.name for p in files} >= {"gluon_kernel.py", "triton_kernel.py", "epilogue.py", "dialect.py",
+                                        "gluon_hopper.py", "persistent_gemm.py", "primitives.py"}
+    seen = {base}
+    for path in files:
+        text = path.read_bytes()
+        path.write_bytes(text + b"\n# edited\n")
+        changed = fingerprint._compute()
+        assert changed not in seen, f"editing {path.relative_to(root)} left the fingerprint {changed}"
+        seen.add(changed)
+        path.write_bytes(text)
+        assert fingerprint._compute() == base
+    extra = root / "templates" / "new_template.py"
+    extra.write_text("X = 1\n")
+    assert fingerprint._compute() not in seen
+    extra.unlink()
+    (root / "codegen" / "names.py").unlink()
+    assert fingerprint._compute() not in seen
+
+
+# -- gluon-hopper configs ----------------------------------------------------------------------------
+
+GOOD = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_warps": 8}, "num_warps=4"),
+    ({"num_warps": 2}, "num_warps=4"),
+    ({"flatten": True}, "flatten=False"),
+    ({"block_m": 256, "block_n": 64}, "block_m 64 or 128"),
+    ({"block_m": 128, "block_n": 256}, "block_m \\* block_n <= 16384"),
+    ({"block_m": 64, "block_n": 512, "subtile": 2}, "block_m \\* block_n <= 16384"),
+    ({"block_m": 64, "block_n": 512, "subtile": 1}, "at most 256 columns"),
+])
+def test_config_refuses_impossible_gluon_configs(change: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        Config(**{**GOOD, **change})
+    Config(**{**GOOD, **change, "backend": "triton"})  # the same tile is fine for Triton
+
+
+def test_config_accepts_gluon_configs_within_limits() -> None:
+    for change in ({}, {"block_m": 64, "block_n": 256, "subtile": 2}, {"block_m": 64, "block_n": 128},
+                   {"subtile": 2}, {"block_n": 256, "block_m": 64}):
+        assert Config(**{**GOOD, **change}).backend == "gluon-hopper"
+
+
+def test_gluon_defaults_are_valid_for_every_epilogue() -> None:
+    for name, ep in {**EPILOGUES, "plain": None}.items():
+        graph = PLAIN if ep is None else ep.graph
+        cfg = default_config(graph, "bfloat16", False, 4096, 4096, 4096, "gluon-hopper")
+        assert cfg.backend == "gluon-hopper" and cfg.num_warps == 4 and not cfg.flatten, name
+        assert ring_bytes(cfg, 2) + gluon_scratch_bytes(graph, cfg) <= HOPPER_SMEM_BYTES, name  # before staging
+
+
+def test_config_space_holds_both_backends() -> None:
+    both = autotune.config_space("bfloat16", ("gluon-hopper", "triton"))
+    gluon = [c for c in both if c.backend == "gluon-hopper"]
+    triton = [c for c in both if c.backend == "triton"]
+    assert gluon and triton and len(gluon) + len(triton) == len(both)
+    assert gluon == autotune.config_space("bfloat16", ("gluon-hopper",))
+    assert triton == autotune.config_space("bfloat16", ("triton",))
+    assert all(c.num_warps == 4 and not c.flatten for c in gluon)
+    assert len(set(both)) == len(both)
+    assert autotune.config_space("bfloat16") == triton  # Triton only by default
+
+
+@coda.epilogue
+def _tile_in_tile_out(acc, g: coda.Tile):
+    return acc + g
+
+
+def test_prune_reason_counts_gluon_double_staging() -> None:
+    """gluon-hopper keeps GLUON_E_STAGES slots per TMA Tile operand and a store staging buffer
+    per consumer: a 128x128 4-slot ring fits beside one of each for Triton, not for gluon-hopper."""
+    graph = _tile_in_tile_out.graph
+    gluon = Config(**GOOD)
+    triton = Config(**{**GOOD, "backend": "triton", "num_warps": 8})
+    staging = staging_bytes(gluon, Fraction(1), 2)
+    assert tile_load_bytes(gluon, Fraction(1), 2) == GLUON_E_STAGES * staging == 2 * tile_load_bytes(triton, Fraction(1), 2)
+    assert store_bytes(gluon, Fraction(1), 2) == GLUON_CONSUMERS * staging == 2 * store_bytes(triton, Fraction(1), 2)
+    ring = ring_bytes(gluon, 2)
+    assert autotune.smem_bytes(graph, triton, 2, 2) == ring + 2 * staging <= HOPPER_SMEM_BYTES
+    assert autotune.smem_bytes(graph, gluon, 2, 2) == ring + 4 * staging > HOPPER_SMEM_BYTES
+    assert autotune.prune_reason(graph, triton, 2, 2, 4096, 4096) is None
+    reason = autotune.prune_reason(graph, gluon, 2, 2, 4096, 4096)
+    assert reason is not None and "shared memory" in reason and str(ring + 4 * staging) in reason
+    # Without TMA stores only the Tile operand's ring is staged: it fits again.
+    assert autotune.prune_reason(graph, gluon.model_copy(update={"tma_store": False}), 2, 2, 4096, 4096) is None
+    # A plain GEMM with the same tile fits (one store staging per consumer).
+    assert autotune.prune_reason(PLAIN, gluon, 2, 2, 4096, 4096) is None

@@ -74,13 +74,16 @@ SCRIPT = textwrap.dedent('''
         "rmsnorm_producer": (rmsnorm_producer, {"res": "bfloat16"}),
         "cross_entropy": (cross_entropy, {"target": "int64"}),
         "rope": (rope, {"pos": "int32"}),
+        "rope_default": (rope, {"pos": "int32"}),  # at the runtime's untuned config (128x256)
     }
     CONFIG = coda.Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    DEFAULT = coda.runtime.default_config(rope.graph, "bfloat16", False, 8192, 3072, 2048)
     CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     out_dir = Path(sys.argv[1])
     report = {}
     for name, (ep, dtypes) in CASES.items():
-        result = compile_hopper(ep.graph, hopper_spec(ep.graph, operand_dtypes=dtypes), CONFIG)
+        cfg = DEFAULT if name.endswith("_default") else CONFIG
+        result = compile_hopper(ep.graph, hopper_spec(ep.graph, operand_dtypes=dtypes), cfg)
         kernel, ptxas_log = compiled[-1]
         cubin = out_dir / f"{name}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -98,7 +101,9 @@ SCRIPT = textwrap.dedent('''
     print(json.dumps(report))
 ''')
 
-EPILOGUES = ("swiglu", "rmsnorm_producer", "cross_entropy", "rope")
+# rope_default: coda.sin/cos once took their quadrant mod 4 in fp32, and the 128x256 RoPE kernel
+# then needed 278 KB of shared memory (an OutOfResources launch on the H200).
+EPILOGUES = ("swiglu", "rmsnorm_producer", "cross_entropy", "rope", "rope_default")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +130,7 @@ def test_compiles_for_hopper_with_wgmma_within_shared_memory(aot_report: dict[st
     assert 0 < result["shared"] <= HOPPER_SMEM_BYTES, f"{name}: {result['shared']} bytes of shared memory"
 
 
-@pytest.mark.parametrize("name", EPILOGUES)
+@pytest.mark.parametrize("name", [e for e in EPILOGUES if not e.endswith("_default")])
 def test_fits_in_registers_without_spills(aot_report: dict[str, dict], name: str) -> None:
     result = aot_report[name]
     usage = result["cuobjdump"]
@@ -135,3 +140,10 @@ def test_fits_in_registers_without_spills(aot_report: dict[str, dict], name: str
     # A stack frame may hold only local arrays the PTX declares itself (libdevice's sin/cos
     # range reduction keeps one), rounded up to 8 bytes; anything more would be spill slots.
     assert usage["STACK"] <= -(-result["ptx_local_bytes"] // 8) * 8 and usage["LOCAL"] == 0, f"{name}: {numbers}"
+
+
+def test_rope_at_the_untuned_config_spills_no_more_than_measured(aot_report: dict[str, dict]) -> None:
+    """Triton's 128x256 RoPE kernel (the untuned default) spills: 204 bytes at 2561dd3, 1212 since
+    coda.sin/cos clamp their reduced argument (bounded results for huge |x|). The tuner drops
+    spilling configs; this bound only keeps it from growing unnoticed."""
+    assert aot_report["rope_default"]["ptxas_spill_bytes"][0] <= 1212

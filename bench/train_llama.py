@@ -216,7 +216,6 @@ def key(row: dict) -> tuple:
 
 
 def drive(args) -> None:
-    import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "train_llama.json"

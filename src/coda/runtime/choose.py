@@ -50,10 +50,14 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
 
 def gluon_first(graph: Graph) -> bool:
     """Whether gluon-hopper is preferred without tuning (CODA_AUTOTUNE=0 runs the first backend;
-    tuning times both). In the H200 sweep (bench/results/block_kernels.json) its 128x128 default
-    beat Triton's default on the block's GEMMs but for width-2 Tile operands (the SwiGLU backward
-    reading z: its staging does not fit beside the ring) and tied on plain GEMMs."""
-    return not any(s.kind == Kind.TILE and s.frac_width == 2 for s in graph.operands)
+    tuning times both). From the block's GEMMs at default configs on the H200
+    (bench/results/block_kernels.md, 1bd705a): gluon-hopper was faster where the epilogue reads a
+    width-1 Tile operand (residual add, RMSNorm backward: 6 of 8 kernels, e.g. 1.150 vs 1.271 of
+    cuBLAS); Triton was faster on plain GEMMs (8 of 10), on RoPE (at 5a4e067: it failed to launch
+    at 1bd705a) and on width-2 Tile operands (the SwiGLU backward: 1.47 vs 2.04), and about equal
+    on the SwiGLU pair transform."""
+    tiles = [s for s in graph.operands if s.kind == Kind.TILE]
+    return bool(tiles) and all(s.frac_width == 1 for s in tiles)
 
 
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:

@@ -35,10 +35,10 @@ class AotResult:
         return "wgmma.mma_async" in self.ptx
 
 
-def _desc(short: str, block: list[int], gluon: bool) -> str:
+def _desc(dtype: str, block: list[int], gluon: bool) -> str:
     """A tensor-descriptor signature type; Gluon's also carries the box's shared layout."""
-    text = f"tensordesc<{short}[{block[0]}, {block[1]}]"
-    return text + (f",{gluon_layout(block, short)!r}>" if gluon else ">")
+    text = f"tensordesc<{_SHORT[dtype]}[{block[0]}, {block[1]}]"
+    return text + (f",{gluon_layout(block, dtype)!r}>" if gluon else ">")
 
 
 def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[str, str], dict[str, object]]:
@@ -50,7 +50,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
         if mode == "ptr":
             sig[name] = f"*{t}"
         else:
-            sig[name] = _desc(t, block if mode == "tma_row" else block[::-1], gluon)
+            sig[name] = _desc(spec.in_dtype, block if mode == "tma_row" else block[::-1], gluon)
     for name in ("M", "N", "K") + (() if gluon else ("stride_am", "stride_ak", "stride_bk", "stride_bn")):
         sig[name] = "i32"
     forms = {f.name: f for f in spec.operands}
@@ -61,7 +61,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
             sig[names[0]] = "fp32"
             continue
         if s.name in spec.tma_tiles:
-            sig[names[0]] = _desc(_SHORT[form.dtype], [cfg.block_m, int(cfg.epi_n * s.frac_width)], gluon)
+            sig[names[0]] = _desc(form.dtype, [cfg.block_m, int(cfg.epi_n * s.frac_width)], gluon)
         else:
             sig[names[0]] = f"*{_SHORT[form.dtype]}"
         for n in names[1:]:
@@ -71,7 +71,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
         names = output_args(o)
         if isinstance(o, StoreOutput) and o.name in spec.tma_stores:
             cols = int(cfg.epi_n * graph.node(o.x).frac_width)
-            sig[names[0]] = _desc(_SHORT[stores[o.name]], [cfg.block_m, cols], gluon)
+            sig[names[0]] = _desc(stores[o.name], [cfg.block_m, cols], gluon)
         else:
             sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
         for n in names[1:]:

@@ -16,8 +16,8 @@ from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
 from .config import GLUON_CONSUMER_REGS, GLUON_E_STAGES, GLUON_MAXNREG, Config
-from .tma import SHORT_DTYPES, gluon_layout
-from .validate import Call
+from .tma import gluon_layout
+from .validate import OPERAND_DTYPES, Call
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class _Layout:
 
 
 def _layout(shape: list[int], strides: list[int], block: list[int], dtype: torch.dtype, gluon: bool) -> _Layout:
-    shared = gluon_layout(block, SHORT_DTYPES[dtype]) if gluon else None
+    shared = gluon_layout(block, OPERAND_DTYPES[dtype]) if gluon else None
     return _Layout(shape, strides, block, shared)
 
 

@@ -52,15 +52,9 @@ def tile_ok(call: Call, name: str, cfg: Config) -> bool:
     return t.dtype != torch.bool and box_ok(cfg, cfg.epi_n * spec.frac_width, t.element_size()) and tma_ok(t, 1)
 
 
-# Triton's short dtype names (kernel signatures) for torch dtypes, and Gluon's dtype names for them.
-SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
-                torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
-_GL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i8": "int8", "i16": "int16",
-              "i32": "int32", "i64": "int64", "u8": "uint8"}
-
-
-def gluon_layout(block: list[int], short_dtype: str) -> object:
-    """The NVMMA shared layout of a Gluon TMA box (what the kernel's buffers are allocated with)."""
+def gluon_layout(block: list[int], dtype: str) -> object:
+    """The NVMMA shared layout of a Gluon TMA box (what the kernel's buffers are allocated with);
+    `dtype` is coda's dtype name (validate.OPERAND_DTYPES), which Gluon's dtypes share."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[short_dtype]))
+    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))

@@ -58,6 +58,12 @@ def _binary(name: str, text: dict[str, str], ref: Callable[..., torch.Tensor], r
     return Primitive(name, 2, result, text, ref)  # type: ignore[arg-type]
 
 
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    """The erf GELU as its formula, which the kernels compute: F.gelu's CPU kernel answers inf
+    with NaN and 3e38 with inf on its vectorized path (AVX512) but not on its scalar one."""
+    return 0.5 * x * (1.0 + torch.erf(x * 0.7071067811865476))
+
+
 # Helpers named `_x` are Triton functions in coda.templates.jit_helpers (Gluon imports the same
 # functions, re-wrapped, from coda.templates.gluon_helpers).
 _UNARIES = [
@@ -68,7 +74,7 @@ _UNARIES = [
     _unary("rsqrt", _same("NS.rsqrt({x})"), torch.rsqrt),
     _unary("sigmoid", _same("_sigmoid({x})"), torch.sigmoid),
     _unary("silu", _same("{x} * _sigmoid({x})"), F.silu),
-    _unary("gelu", _same("0.5 * {x} * (1.0 + NS.erf({x} * 0.7071067811865476))"), F.gelu),
+    _unary("gelu", _same("0.5 * {x} * (1.0 + NS.erf({x} * 0.7071067811865476))"), _gelu),
     _unary("tanh", _same("_tanh({x})"), torch.tanh),
     _unary("relu", _same("NS.maximum({x}, 0.0, propagate_nan=tl.PropagateNan.ALL)"), torch.relu),
     _unary("sin", _same("_trig({x}, 0)"), torch.sin),

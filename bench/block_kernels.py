@@ -37,11 +37,16 @@ from ops_block import block_case, fwd_bwd, max_err
 
 WIDTHS = {2048: 8192, 4096: 14336}
 BACKENDS = ("gluon-hopper", "triton")
+# gluon-hopper configs of --sweep: epilogue subtiles (register slices of one 128x128 accumulator),
+# ring depth, a 64x256 tile (m64n256 MMAs), a 128-deep K step, and a larger row group.
 SWEEP = [dict(block_m=128, block_n=128, block_k=64, num_stages=4, subtile=1),
          dict(block_m=128, block_n=128, block_k=64, num_stages=4, subtile=2),
-         dict(block_m=128, block_n=128, block_k=64, num_stages=3, subtile=4),
-         dict(block_m=128, block_n=64, block_k=64, num_stages=4, subtile=1),
-         dict(block_m=64, block_n=256, block_k=64, num_stages=4, subtile=4)]
+         dict(block_m=128, block_n=128, block_k=64, num_stages=4, subtile=4),
+         dict(block_m=128, block_n=128, block_k=64, num_stages=3, subtile=2),
+         dict(block_m=128, block_n=128, block_k=64, num_stages=5, subtile=4),
+         dict(block_m=64, block_n=256, block_k=64, num_stages=4, subtile=4),
+         dict(block_m=128, block_n=128, block_k=128, num_stages=3, subtile=4),
+         dict(block_m=128, block_n=128, block_k=64, num_stages=4, subtile=4, group_m=16)]
 
 
 def record_calls(step) -> list[tuple]:
@@ -74,7 +79,9 @@ def _error(result, ref: dict[str, torch.Tensor]) -> float:
     return max(rel_err(outs[k], ref[k]) for k in ref)
 
 
-def kernel_rows(d: int, f: int, m: int, sweep: bool, heads: int = 32, kv: int = 8) -> tuple[list[dict], list[dict]]:
+def kernel_rows(d: int, f: int, m: int, sweep: bool, save, heads: int = 32, kv: int = 8) -> tuple[list[dict], list[dict]]:
+    """Every GEMM of the block on each backend (and, with `sweep`, gluon configs); `save(rows, swept)`
+    after each kernel, so a run stopped by its time limit keeps what it measured."""
     case = block_case(m, d, f, heads, kv)
     calls = record_calls(fwd_bwd(case["ours_native"], case["native_params"], case["go"]))
     rows, swept = [], []
@@ -115,8 +122,9 @@ def kernel_rows(d: int, f: int, m: int, sweep: bool, heads: int = 32, kv: int = 
                     except Exception as exc:  # noqa: BLE001
                         t, err = None, f"{type(exc).__name__}: {str(exc)[:100]}"
                     swept.append({"D": d, "kernel": label, "config": c, "ms": t, "bare_gemm_ms": bare, "err": err})
-                    log(f"    sweep {c} -> {t}")
+                    log(f"    sweep {c} -> {t if t is None else round(t / bare, 3)}")
         os.environ["CODA_BACKEND"] = "auto"
+        save(rows, swept)
     return rows, swept
 
 
@@ -209,6 +217,8 @@ def main() -> None:
     ap.add_argument("--d", default="2048,4096")
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-d", default=None, help="widths to sweep (default: every --d)")
+    ap.add_argument("--no-block", action="store_true", help="kernel rows only, no block rows")
     ap.add_argument("--no-peers", action="store_true", help="only sol_graph, coda and coda_native block rows")
     ap.add_argument("--budget", type=float, default=480, help="seconds after which torch.compile peers are skipped")
     ap.add_argument("--merge", type=Path, help="write <out>/block_kernels.{json,md} from a measured JSON")
@@ -246,12 +256,13 @@ def main() -> None:
         current = {**data, "block": data["block"] + (block or [])}
         (args.out / "block_kernels.json").write_text(json.dumps(current, indent=1))
 
+    sweep_d = set(map(int, (args.sweep_d or args.d).split(",")))
     for d in map(int, args.d.split(",")):
-        rows, swept = kernel_rows(d, WIDTHS[d], args.m, args.sweep)
-        data["rows"] += rows
-        data["sweep"] += swept
-        save()
-    for d in map(int, args.d.split(",")):
+        def save_rows(rows, swept, _rows=list(data["rows"]), _swept=list(data["sweep"])):
+            data["rows"], data["sweep"] = _rows + rows, _swept + swept
+            save()
+        kernel_rows(d, WIDTHS[d], args.m, args.sweep and d in sweep_d, save_rows)
+    for d in ([] if args.no_block else map(int, args.d.split(","))):
         data["block"] += block_rows(d, WIDTHS[d], args.m, not args.no_peers, t0 + args.budget, save)
     log(table(data))
     log(f"{time.time() - t0:.0f} s")

@@ -24,7 +24,7 @@ from ..ir.nodes import (
 )
 from ..ir.primitives import PRIMITIVES, REDUCTIONS
 from ..ir.types import Kind
-from .dialect import Dialect, dialect_of
+from .dialect import Dialect, dialect_of, layout_suffix
 from .spec import FLOAT_DTYPES, OperandForm, Specialization, width_suffix
 
 _DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
@@ -70,17 +70,39 @@ class EpilogueEmitter:
         self.forms: dict[str, OperandForm] = {f.name: f for f in spec.operands}
         self.kinds = {s.name: s for s in graph.operands}
         self.widths: set[Fraction] = set()
+        self.row_widths: set[Fraction] = set()  # Gluon: widths whose tiles index rows (rows_<w>, mask_m_<w>)
         self.var: dict[int, str] = {}
         self.dtype: dict[int, str] = {}  # "f32" | "int" | "bool"
         self.row_loads: list[str] = []  # Scalar and VecM operands: once per tile
         self.loads: list[str] = []  # the rest: once per subtile
         self.body: list[str] = []
         self._splits: dict[int, tuple[str, str]] = {}
+        self._widened: dict[tuple[int, Fraction], str] = {}
 
     # -- helpers ---------------------------------------------------------------------
-    def f32(self, node_id: int) -> str:
-        v = self.var[node_id]
+    def f32(self, node_id: int, width: Fraction | None = None) -> str:
+        """The value as fp32, as an argument of an op whose result has `width` columns."""
+        v = self.arg(node_id, width)
         return v if self.dtype[node_id] == "f32" else f"{v}.to({self.ns}.float32)"
+
+    def arg(self, node_id: int, width: Fraction | None) -> str:
+        """The value as an argument of an op whose result has columns of `width` (None: no
+        columns). In Gluon a row vector ([BLOCK_M, 1], in the width-1 layout) meeting columns
+        of another width takes that width's layout first: free, the rows are the same."""
+        v = self.var[node_id]
+        node = self.graph.node(node_id)
+        if width is None or width == 1 or not self.d.layouts or node.kind != Kind.VEC_M:
+            return v
+        key = (node_id, width)
+        if key not in self._widened:
+            name = f"v{node_id}{layout_suffix(width).lower()}"
+            self.body.append(f"{name} = {self.d.relayout(v, width)}")
+            self._widened[key] = name
+        return self._widened[key]
+
+    def _result_width(self, node_id: int) -> Fraction | None:
+        node = self.graph.node(node_id)
+        return node.frac_width if node.kind.has_cols else None
 
     def _set(self, node_id: int, expr: str, dtype: str) -> None:
         name = f"v{node_id}"
@@ -92,6 +114,15 @@ class EpilogueEmitter:
         """The column-offset and mask variables of a width; declares that the tile needs them."""
         self.widths.add(width)
         return _col_vars(width)
+
+    def _row_names(self, width: Fraction) -> tuple[str, str]:
+        """The row-offset and row-mask variables indexing tiles of a width (Gluon lays them out
+        per width; Triton has one of each)."""
+        if not self.d.layouts or width == 1:
+            return "rows", "mask_m"
+        self.row_widths.add(width)
+        s = width_suffix(width)
+        return f"rows_{s}", f"mask_m_{s}"
 
     # -- operands --------------------------------------------------------------------
     def _load_operand(self, node: InputNode) -> tuple[str, str]:
@@ -112,12 +143,13 @@ class EpilogueEmitter:
             c, mk = self._col_names(spec.frac_width)
             expr = f"{ns}.load({base}_ptr + {c} * {base}_s0, mask={mk}, other=0)[None, :]"
         elif node.name in self.spec.tma_tiles:  # the descriptor zero-fills the ragged edges
-            expr = self.d.tma_tile_load(node.name, base, col_start(spec.frac_width))
+            expr = self.d.tma_tile_load(node.name, base, col_start(spec.frac_width), spec.frac_width)
         else:
             c, mk = self._col_names(spec.frac_width)
+            r, rk = self._row_names(spec.frac_width)
             expr = (
-                f"{ns}.load({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, "
-                f"mask=mask_m[:, None] & {mk}[None, :], other=0)"
+                f"{ns}.load({base}_ptr + {r}[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, "
+                f"mask={rk}[:, None] & {mk}[None, :], other=0)"
             )
         if form.dtype in FLOAT_DTYPES:
             return f"{expr}.to({ns}.float32)", "f32"
@@ -151,29 +183,35 @@ class EpilogueEmitter:
                     self._set(nid, PRIMITIVES[node.fn].emit(self.d.backend, self.f32(node.x)), "f32")
             elif isinstance(node, BinaryNode):
                 prim = PRIMITIVES[node.fn]
+                w = self._result_width(nid)
                 if prim.result == "bool":  # raw operands: integer comparisons stay exact
-                    self._set(nid, prim.emit(self.d.backend, self.var[node.x], self.var[node.y]), "bool")
+                    self._set(nid, prim.emit(self.d.backend, self.arg(node.x, w), self.arg(node.y, w)), "bool")
                 else:
-                    self._set(nid, prim.emit(self.d.backend, self.f32(node.x), self.f32(node.y)), "f32")
+                    self._set(nid, prim.emit(self.d.backend, self.f32(node.x, w), self.f32(node.y, w)), "f32")
             elif isinstance(node, WhereNode):
-                c = self.var[node.cond] if self.dtype[node.cond] == "bool" else f"({self.var[node.cond]} != 0)"
-                self._set(nid, f"{self.ns}.where({c}, {self.f32(node.x)}, {self.f32(node.y)})", "f32")
+                w = self._result_width(nid)
+                cond = self.arg(node.cond, w)
+                c = cond if self.dtype[node.cond] == "bool" else f"({cond} != 0)"
+                self._set(nid, f"{self.ns}.where({c}, {self.f32(node.x, w)}, {self.f32(node.y, w)})", "f32")
             elif isinstance(node, PairNode):
                 even, odd = self._split(node.x)
                 self.var[nid], self.dtype[nid] = (even, odd)[node.half], self.dtype[node.x]
             elif isinstance(node, InterleaveNode):
-                self._set(nid, self.d.interleave(self.f32(node.x), self.f32(node.y), node.kind, cols(node.frac_width)), "f32")
+                half = node.frac_width / 2
+                self._set(nid, self.d.interleave(self.f32(node.x, half), self.f32(node.y, half), node.kind,
+                                                 cols(node.frac_width), node.frac_width), "f32")
 
     def _split(self, x: int) -> tuple[str, str]:
         if x not in self._splits:
             kind, width = self.graph.node(x).kind, self.graph.node(x).frac_width
-            rows = "BLOCK_M" if kind == Kind.TILE else "1"
+            value, rows = self.d.split_operand(self.var[x], kind, cols(width), width)
             even, odd = f"v{x}_even", f"v{x}_odd"
             ns = self.ns
-            self.body.append(f"{even}, {odd} = {ns}.split({ns}.reshape({self.var[x]}, ({rows}, {cols(width)} // 2, 2)))")
+            self.body.append(f"{even}, {odd} = {ns}.split({ns}.reshape({value}, ({rows}, {cols(width)} // 2, 2)))")
             for half in (even, odd):
-                if self.d.relayout(half) != half:
-                    self.body.append(f"{half} = {self.d.relayout(half)}")
+                relaid = self.d.relayout(half, width / 2)
+                if relaid != half:
+                    self.body.append(f"{half} = {relaid}")
             self._splits[x] = (even, odd)
         return self._splits[x]
 
@@ -199,9 +237,10 @@ class EpilogueEmitter:
                 copies += [copy] if copy else []
                 continue
             c, mk = self._col_names(width)
+            r, rk = self._row_names(width)
             lines.append(
-                f"{self.ns}.store({base}_ptr + rows[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
-                f"mask=mask_m[:, None] & {mk}[None, :])"
+                f"{self.ns}.store({base}_ptr + {r}[:, None] * {base}_s0 + {c}[None, :] * {base}_s1, {value}, "
+                f"mask={rk}[:, None] & {mk}[None, :])"
             )
         return self.d.order_stores(lines, copies)
 
@@ -215,13 +254,14 @@ class EpilogueEmitter:
     def _reduction(self, out: ReduceOutput) -> list[str]:
         width = self.graph.node(out.x).frac_width
         c, mk = self._col_names(width)
+        rows, rmask = self._row_names(width)
         x = self.f32(out.x)
         ns = self.ns
         base, p = f"out_{out.name}", f"red_{out.name}"
         r = f"{p}_r"  # its temporaries are {p}_nan, {p}_max, {p}_cols: one suffix each (spec.py)
         if out.axis == "m":
             return [
-                f"{r} = {ns}.sum({ns}.where(mask_m[:, None], {x}, 0.0), axis=0)",
+                f"{r} = {ns}.sum({ns}.where({rmask}[:, None], {x}, 0.0), axis=0)",
                 f"{ns}.store({base}_ptr + pid_m.to({ns}.int64) * {n_total(width)} + {c}, {r}, mask={mk})",
             ]
         identity = REDUCTIONS[out.op].identity
@@ -245,11 +285,11 @@ class EpilogueEmitter:
                 f"{r} = {p}_max + {ns}.log({ns}.sum({ns}.exp({r} - {ns}.expand_dims({p}_max, {axis})), axis={axis}))",
             ]
         if out.group is not None:  # back from the reshape's layout to the epilogue's
-            relaid = self.d.relayout(r)
+            relaid = self.d.relayout(r, Fraction(1), trivial=False)
             if relaid != r:
                 lines.append(f"{r} = {relaid}")
         if out.group is None:
-            lines.append(f"{ns}.store({base}_ptr + rows * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask=mask_m)")
+            lines.append(f"{ns}.store({base}_ptr + {rows} * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask={rmask})")
         else:
             g = out.group
             lines += [
@@ -267,7 +307,15 @@ class EpilogueEmitter:
                 lines += [f"{c} = offs_n", f"{mk} = mask_n"]
             else:
                 lines += [
-                    f"{c} = {col_start(width)} + {self.d.arange(cols(width), 'n')}",
+                    f"{c} = {col_start(width)} + {self.d.arange(cols(width), 'n', width)}",
                     f"{mk} = {c} < {n_total(width)}",
                 ]
+        return lines
+
+    def emit_rows(self) -> list[str]:
+        """Per tile: the row offsets and masks of the widths whose tiles index rows (Gluon)."""
+        lines = []
+        for width in sorted(self.row_widths):
+            r, rk = self._row_names(width)
+            lines += [f"{r} = {self.d.row_vector('rows', width)}", f"{rk} = {self.d.row_vector('mask_m', width)}"]
         return lines

@@ -1,9 +1,9 @@
 """The gluon-hopper backend: fill the warp-specialized template's hooks for (graph, specialization).
 
 The epilogue body is the shared emitter's, in the Gluon dialect. What this module adds is the
-backend's own plumbing: per-subtile accumulators and their wgmma calls, the Tile-operand ring
-(slot waits and releases around the epilogue's loads), staging buffers for TMA stores, and the
-partition list.
+backend's own plumbing: the accumulator's split into epilogue subtiles, the layouts of half- and
+double-width values, the Tile-operand ring (slot waits and releases around the epilogue's
+loads), staging buffers for TMA stores, and the partition list.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..ir.graph import Graph
-from ..ir.nodes import InterleaveNode, PairNode, ReduceOutput
 from ..ir.types import Kind
 from ..templates import EPILOGUE_LOADER, GLUON_HOPPER_GEMM, fill
+from .dialect import layout_suffix
 from .epilogue import EpilogueEmitter, col_start
 from .names import comment_name, kernel_args, kernel_name, partials_n
 from .spec import Specialization
@@ -31,19 +31,40 @@ def unsupported(graph: Graph, spec: Specialization) -> str | None:
     return None
 
 
-def reshapes(graph: Graph) -> bool:
-    """Whether the epilogue reshapes tiles (pairs, interleave, grouped reductions). Those run in a
-    blocked layout (reshapes of a blocked layout stay cheap); every other epilogue runs in the
-    accumulator's own wgmma layout, with no layout conversion at all."""
-    return any(isinstance(n, (PairNode, InterleaveNode)) for n in graph.nodes) or any(
-        isinstance(o, ReduceOutput) and o.group is not None for o in graph.outputs)
-
-
-_BLOCKED = "gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])"
-
-
 def _tuple(names: list[str]) -> str:
     return f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
+
+
+def _subtiles(count: int) -> list[str]:
+    """Split the [BLOCK_M, BLOCK_N] accumulator into `count` EPI_N-column subtiles acc_0.. by
+    halving it: a reshape that puts the halves in a trailing dimension of 2, then a split. The
+    halves' column bits are register bits of the wgmma layout, so no data moves."""
+    if count == 1:
+        return ["acc_0 = acc"]
+    lines, pieces, cols = [], ["acc"], "BLOCK_N"
+    while len(pieces) < count:
+        halves = []
+        for p in pieces:
+            lo, hi = (f"{p}_0", f"{p}_1") if p != "acc" else ("acc_h0", "acc_h1")
+            lines.append(f"{lo}, {hi} = gl.split(gl.permute(gl.reshape({p}, (BLOCK_M, 2, {cols} // 2)), (0, 2, 1)))")
+            halves += [lo, hi]
+        pieces, cols = halves, f"({cols} // 2)"
+    lines += [f"acc_{h} = gl.convert_layout({p}, EPI, assert_trivial=True)" for h, p in enumerate(pieces)]
+    return lines
+
+
+def _layouts(graph: Graph) -> list[str]:
+    """The layouts of half- and double-width values, where the epilogue has any."""
+    widths = {n.frac_width for n in graph.nodes if n.kind.has_cols} | {
+        s.frac_width for s in graph.operands if s.kind.has_cols}
+    lines = []
+    for width, cols, shift in ((Fraction(1, 2), "EPI_N // 2", -1), (Fraction(2), "EPI_N * 2", 1)):
+        if width in widths:
+            sfx = layout_suffix(width)
+            lines += [f"EPI{sfx}: gl.constexpr = _acc_layout(BLOCK_M, {cols}, {shift})",
+                      f"ROWS{sfx}: gl.constexpr = gl.SliceLayout(1, EPI{sfx})",
+                      f"COLS{sfx}: gl.constexpr = gl.SliceLayout(0, EPI{sfx})"]
+    return lines or ["# (every epilogue value is EPI_N columns wide)"]
 
 
 def generate(graph: Graph, spec: Specialization) -> str:
@@ -76,14 +97,9 @@ def generate(graph: Graph, spec: Specialization) -> str:
                   "    mbarrier.init(e_empty.index(i), count=1)"]
 
     sub = spec.subtile
-    accs = [f"acc_{h}" for h in range(sub)]
-    b_view = "b_bufs.index(s * SUBTILE + {h}).permute((1, 0))" if spec.b_load == "tma_col" else "b_bufs.index(s * SUBTILE + {h})"
-    mma = [f"acc_{h} = warpgroup_mma(a, {b_view.format(h=h)}, acc_{h}, is_async=True)" for h in range(sub)]
-    mma.append(f"{', '.join(accs)} = warpgroup_mma_wait(num_outstanding={sub}, deps={_tuple(accs)})")
-
     epilogue: list[str] = []
     for h in range(sub):
-        epilogue += [f"epi_acc = gl.convert_layout(acc_{h}, EPI)" if reshapes(graph) else f"epi_acc = acc_{h}",
+        epilogue += [f"epi_acc = acc_{h}",
                      "off_n = pid_n * BLOCK_N" + (f" + {h} * EPI_N" if h else ""),
                      "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
         if partials_n(graph):
@@ -109,19 +125,18 @@ def generate(graph: Graph, spec: Specialization) -> str:
                      "BLOCK_N, GROUP_M, NUM_SMS, EPI_N, E_STAGES)),")
         warps, regs = ", 1", ", 40"
 
+    rows = ["rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
     return fill({
         "kernel_name": kernel_name(graph),
         "epilogue_name": comment_name(graph),
-        "epi_layout": _BLOCKED if reshapes(graph) else "MMA",
         "graph_hash": graph.hash,
         "args": "\n".join(f"{a}," for a in args),
         "consumer_params": "\n".join(f"{a}," for a in consumer),
         "consumer_args": "".join(f"{a}, " for a in consumer),
         "alloc": "\n".join(alloc),
-        "acc_init": "\n".join(f"{acc} = gl.zeros((BLOCK_M, EPI_N), gl.float32, MMA)" for acc in accs),
-        "mma": "\n".join(mma),
-        "mma_drain": f"{', '.join(accs)} = warpgroup_mma_wait(num_outstanding=0, deps={_tuple(accs)})",
-        "rows": "rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m",
+        "layouts": "\n".join(_layouts(graph)),
+        "subtiles": "\n".join(_subtiles(sub)),
+        "rows": "\n".join(rows),
         "row_loads": "\n".join(emitter.row_loads),
         "epilogue": "\n".join(epilogue),
         "epilogue_loader": loader,

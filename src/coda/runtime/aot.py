@@ -44,9 +44,8 @@ def _desc(dtype: str, block: list[int], gluon: bool) -> str:
 def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[str, str], dict[str, object]]:
     t = _SHORT[spec.in_dtype]
     gluon = spec.backend == "gluon-hopper"
-    b_cols = cfg.epi_n if gluon else cfg.block_n  # gluon-hopper moves B in subtile-wide boxes
     sig: dict[str, str] = {}
-    for name, mode, block in (("a_src", spec.a_load, [cfg.block_m, cfg.block_k]), ("b_src", spec.b_load, [cfg.block_k, b_cols])):
+    for name, mode, block in (("a_src", spec.a_load, [cfg.block_m, cfg.block_k]), ("b_src", spec.b_load, [cfg.block_k, cfg.block_n])):
         if mode == "ptr":
             sig[name] = f"*{t}"
         else:

@@ -14,7 +14,6 @@ from .. import __version__
 from ..codegen import unsupported
 from ..ir.graph import Graph
 from ..ir.primitives import BACKENDS
-from ..ir.types import Kind
 from . import autotune
 from .config import Config, default_config
 from .device import device_name
@@ -50,14 +49,9 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
 
 def gluon_first(graph: Graph) -> bool:
     """Whether gluon-hopper is preferred without tuning (CODA_AUTOTUNE=0 runs the first backend;
-    tuning times both). From the block's GEMMs at default configs on the H200
-    (bench/results/block_kernels.md, 1bd705a): gluon-hopper was faster where the epilogue reads a
-    width-1 Tile operand (residual add, RMSNorm backward: 6 of 8 kernels, e.g. 1.150 vs 1.271 of
-    cuBLAS); Triton was faster on plain GEMMs (8 of 10), on RoPE (at 5a4e067: it failed to launch
-    at 1bd705a) and on width-2 Tile operands (the SwiGLU backward: 1.47 vs 2.04), and about equal
-    on the SwiGLU pair transform."""
-    tiles = [s for s in graph.operands if s.kind == Kind.TILE]
-    return bool(tiles) and all(s.frac_width == 1 for s in tiles)
+    tuning times both): for every program it can run, since its epilogues moved into register
+    slices of a full-width accumulator (template v2)."""
+    return True
 
 
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:

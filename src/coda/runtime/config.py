@@ -6,7 +6,6 @@ from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..codegen.gluon_kernel import reshapes
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import Backend
@@ -129,7 +128,7 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
                    backend: Backend = "triton") -> Config:
     """A reasonable config without tuning."""
     if backend == "gluon-hopper":
-        return _gluon_default(graph)
+        return _gluon_default(graph, 4 if in_dtype == "float32" else 2)
     if interpret:
         block = 16 if max(m, n) <= 64 else 32
         cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
@@ -145,21 +144,42 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
     return cfg
 
 
-def _gluon_default(graph: Graph) -> Config:
-    """128x128 tiles per consumer (a 128-register accumulator each) behind a 4-slot ring: the best
-    gluon-hopper config for every GEMM of the block in the H200 sweep (bench/results/block_kernels.json,
-    "sweep"); narrower MMAs (64- or 32-column subtiles, 128x64 tiles) slow the K loop by half.
-    Epilogues that reshape tiles run in 64-column subtiles (their blocked-layout temporaries).
-    Wider reduction groups take 64-row tiles."""
+def _gluon_default(graph: Graph, in_size: int) -> Config:
+    """128x128 tiles per consumer (a 128-register accumulator each, full-width MMAs) behind a
+    4-slot ring, the best gluon-hopper tile in the H200 sweep (bench/results/block_kernels.json).
+    The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
+    spills in sm_90 compiles of the block's epilogues), 16 where that is what lets every Tile
+    operand and tile output move through TMA beside the ring; none for reductions alone.
+    Wider reduction groups take wider subtiles (and 64-row tiles past 128 columns)."""
     need = min_block_n(graph)
-    subtile = 2 if reshapes(graph) and need <= 64 else 1
-    block_n = max(128, need * subtile)
-    block_m = 128 if block_n <= 128 else 64
-    return Config(backend="gluon-hopper", block_m=block_m, block_n=block_n, block_k=64, num_warps=4,
-                  num_stages=4, subtile=subtile)
+    if not any(isinstance(o, StoreOutput) for o in graph.outputs) and need <= 128:
+        # reductions alone (an LM head's statistics): one subtile writes a quarter of the
+        # partials, and nothing is staged
+        return Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
+    for subtile in (4, 8):
+        block_n = max(128, need * subtile)
+        cfg = Config(backend="gluon-hopper", block_m=128 if block_n <= 128 else 64, block_n=block_n, block_k=64,
+                     num_warps=4, num_stages=4, subtile=subtile)
+        if gluon_smem_bytes(graph, cfg, in_size) <= HOPPER_SMEM_BYTES:
+            return cfg
+    return Config(backend="gluon-hopper", block_m=128 if need <= 32 else 64, block_n=max(128, need * 4), block_k=64,
+                  num_warps=4, num_stages=3, subtile=4)
+
+
+def gluon_smem_bytes(graph: Graph, cfg: Config, size: int) -> int:
+    """gluon-hopper's shared memory with every Tile operand and tile output staged for TMA
+    (elements of `size` bytes), beside the operand ring and the compiler's scratch."""
+    tiles = sum(tile_load_bytes(cfg, s.frac_width, size) for s in graph.operands if s.kind.value == "tile")
+    stores = sum(store_bytes(cfg, graph.node(o.x).frac_width, size) for o in graph.outputs if isinstance(o, StoreOutput))
+    return ring_bytes(cfg, size) + tiles + stores + gluon_scratch_bytes(graph, cfg)
 
 
 def gluon_scratch_bytes(graph: Graph, cfg: "Config") -> int:
-    """Shared memory the compiler takes for layout conversions in a gluon-hopper epilogue that
-    reshapes (one fp32 subtile; an OutOfResources launch on the H200 when it was not counted)."""
-    return cfg.block_m * cfg.epi_n * 4 if cfg.backend == "gluon-hopper" and reshapes(graph) else 0
+    """Shared memory the compiler takes for a gluon-hopper epilogue's cross-warp traffic: sums
+    over rows (reduce_m: the 4 warps' partial columns) and grouped reductions (their
+    [rows, groups] result changes layout), each one fp32 subtile at most; pairs, interleave
+    and subtiles take none (their layouts split and join in registers)."""
+    if cfg.backend != "gluon-hopper":
+        return 0
+    moves = any(isinstance(o, ReduceOutput) and (o.axis == "m" or o.group is not None) for o in graph.outputs)
+    return cfg.block_m * cfg.epi_n * 4 if moves else 0

@@ -133,9 +133,8 @@ class Plan:
             static.update({"STAGES": cfg.num_stages, "E_STAGES": GLUON_E_STAGES, "A_COL": spec.a_load == "tma_col",
                            "B_COL": spec.b_load == "tma_col", "CONSUMER_REGS": GLUON_CONSUMER_REGS,
                            "maxnreg": GLUON_MAXNREG})
-            # B moves in EPI_N-column boxes, one per epilogue subtile.
             layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k, True)
-            layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.epi_n, True)
+            layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n, True)
         else:
             static.update({"stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
                            "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),

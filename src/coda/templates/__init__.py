@@ -20,12 +20,15 @@ per epilogue subtile (codegen repeats the epilogue block once per subtile):
 Argument names: coda.codegen.spec.operand_args / output_args (in_<operand>..., out_<output>...).
 Hooks every template declares: kernel_name, epilogue_name, graph_hash, args, rows, row_loads, epilogue.
 gluon-hopper adds, inside a consumer partition: CID (0 or 1), local (the tile's position in the
-program's tile order), EPI / ROWS / COLS (the epilogue's layout and its row/column slices:
-the wgmma accumulator layout, or a blocked layout when the epilogue reshapes tiles; every
-epilogue value lives in EPI or a slice of it), e_slot (the Tile-operand ring slot
-of this subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
+program's tile order), acc (the [BLOCK_M, BLOCK_N] wgmma accumulator, layout MMA) and acc_<h>
+(its subtiles, register slices made by the `subtiles` hook), EPI / ROWS / COLS (the layout of
+width-1 values, the accumulator's own at EPI_N columns, and its row/column slices) and, where
+the epilogue has values of half or double width, EPI_H / ROWS_H / COLS_H and EPI_2 / ROWS_2 /
+COLS_2 (declared by the `layouts` hook; they split into and join from EPI with no data
+movement, which the generated code asserts); e_slot (the Tile-operand ring slot of this
+subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
 (per-consumer TMA staging buffers, [2, BLOCK_M, cols]); its extra hooks are consumer_params,
-consumer_args, alloc, acc_init, mma, mma_drain, epilogue_loader, epilogue_loader_partition,
+consumer_args, alloc, layouts, subtiles, epilogue_loader, epilogue_loader_partition,
 epilogue_loader_warps, epilogue_loader_regs (and loader_params, loader_bytes, loader_copies in
 EPILOGUE_LOADER).
 """

@@ -30,7 +30,7 @@ from coda.ir.types import Kind
 from coda.ops import epilogues as E
 from coda.runtime import autotune, cache, fingerprint
 from coda.runtime.aot import hopper_spec
-from coda.runtime.config import (GLUON_CONSUMERS, GLUON_E_STAGES, HOPPER_SMEM_BYTES, Config, default_config,
+from coda.runtime.config import (GLUON_CONSUMERS, HOPPER_SMEM_BYTES, Config, default_config,
                                  gluon_scratch_bytes,
                                  ring_bytes, staging_bytes, store_bytes, tile_load_bytes)
 from coda.runtime.launch import PLAIN
@@ -299,14 +299,18 @@ def _tile_in_tile_out(acc, g: coda.Tile):
 
 
 def test_prune_reason_counts_gluon_double_staging() -> None:
-    """gluon-hopper keeps GLUON_E_STAGES slots per TMA Tile operand and a store staging buffer
-    per consumer: a 128x128 4-slot ring fits beside one of each for Triton, not for gluon-hopper."""
+    """gluon-hopper keeps `epi_stages` slots per TMA Tile operand and `store_buffers` staging
+    buffers per consumer: a 128x128 4-slot ring fits beside one of each for Triton, not for
+    gluon-hopper; more slots or buffers count in proportion."""
     graph = _tile_in_tile_out.graph
     gluon = Config(**GOOD)
     triton = Config(**{**GOOD, "backend": "triton", "num_warps": 8})
     staging = staging_bytes(gluon, Fraction(1), 2)
-    assert tile_load_bytes(gluon, Fraction(1), 2) == GLUON_E_STAGES * staging == 2 * tile_load_bytes(triton, Fraction(1), 2)
+    assert tile_load_bytes(gluon, Fraction(1), 2) == gluon.epi_stages * staging == 2 * tile_load_bytes(triton, Fraction(1), 2)
     assert store_bytes(gluon, Fraction(1), 2) == GLUON_CONSUMERS * staging == 2 * store_bytes(triton, Fraction(1), 2)
+    deeper = gluon.model_copy(update={"epi_stages": 4, "store_buffers": 2})
+    assert tile_load_bytes(deeper, Fraction(1), 2) == 4 * staging
+    assert store_bytes(deeper, Fraction(1), 2) == 2 * GLUON_CONSUMERS * staging
     ring = ring_bytes(gluon, 2)
     assert autotune.smem_bytes(graph, triton, 2, 2) == ring + 2 * staging <= HOPPER_SMEM_BYTES
     assert autotune.smem_bytes(graph, gluon, 2, 2) == ring + 4 * staging > HOPPER_SMEM_BYTES

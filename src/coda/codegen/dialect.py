@@ -88,15 +88,16 @@ class Dialect:
         line that writes it and, for Gluon, the asynchronous copy to issue after the fence."""
         if not self.layouts:
             return f"{base}_ptr.store([off_m, {col}], {value})", None
-        stage = f"stage_{name}.index(CID)"  # this consumer's staging buffer
+        stage = f"stage_{name}.index(s_buf)"  # this consumer's staging buffer for this subtile
         return f"{stage}.store({value})", f"tma.async_copy_shared_to_global({base}_ptr, [off_m, {col}], {stage})"
 
     def order_stores(self, writes: list[str], copies: list[str]) -> list[str]:
-        """Gluon: wait for this consumer's previous copies before the first staging write, then
+        """Gluon: before the first staging write, wait until the copies that last read these
+        buffers are done (those of STAGE_BUFS subtiles ago: the later ones may still run), then
         one fence, then every copy (they run while the epilogue goes on)."""
         if not copies:
             return writes
-        return ["tma.store_wait(0)"] + writes + ["fence_async_shared()"] + copies
+        return [f"tma.store_wait((STAGE_BUFS - 1) * {len(copies)})"] + writes + ["fence_async_shared()"] + copies
 
 
 TRITON = Dialect("triton", "tl")

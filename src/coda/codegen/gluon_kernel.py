@@ -85,7 +85,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
     extra = [f"stage_{n}" for n in stages] + [f"ering_{n}" for n in tiles] + (["e_ready", "e_empty"] if tiles else [])
     consumer = args + extra
 
-    alloc = [f"stage_{n} = gl.allocate_shared_memory(out_{n}_ptr.dtype, [2] + out_{n}_ptr.block_type.shape, "
+    alloc = [f"stage_{n} = gl.allocate_shared_memory(out_{n}_ptr.dtype, [2 * STAGE_BUFS] + out_{n}_ptr.block_type.shape, "
              f"out_{n}_ptr.layout)" for n in stages]
     alloc += [f"ering_{n} = gl.allocate_shared_memory(in_{n}_ptr.dtype, [E_STAGES] + in_{n}_ptr.block_type.shape, "
               f"in_{n}_ptr.layout)" for n in tiles]
@@ -104,6 +104,8 @@ def generate(graph: Graph, spec: Specialization) -> str:
                      "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
         if partials_n(graph):
             epilogue.append(f"part_n = pid_n * {sub} + {h}")
+        if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
+            epilogue.append(f"s_buf = CID * STAGE_BUFS + ((local // 2) * SUBTILE + {h}) % STAGE_BUFS")
         epilogue += columns
         if tiles:  # this subtile's slot of the Tile-operand ring
             epilogue += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",

@@ -14,7 +14,6 @@ from ..ir.primitives import Backend
 HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
 
 
-GLUON_E_STAGES = 2  # gluon-hopper: slots of the Tile-operand ring (each one subtile of every TMA Tile operand)
 GLUON_CONSUMERS = 2  # gluon-hopper: consumer warpgroups, each with its own TMA store staging
 GLUON_CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
 GLUON_MAXNREG = 168  # registers per thread at launch: 3 warpgroups share the 64K register file
@@ -33,14 +32,15 @@ def staging_bytes(cfg: "Config", width: Fraction, out_size: int) -> int:
 
 def tile_load_bytes(cfg: "Config", width: Fraction, size: int) -> int:
     """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
-    epilogue loader keeps a ring of GLUON_E_STAGES subtiles."""
-    slots = GLUON_E_STAGES if cfg.backend == "gluon-hopper" else 1
+    epilogue loader keeps a ring of `epi_stages` subtiles."""
+    slots = cfg.epi_stages if cfg.backend == "gluon-hopper" else 1
     return slots * staging_bytes(cfg, width, size)
 
 
 def store_bytes(cfg: "Config", width: Fraction, size: int) -> int:
-    """Shared memory for one TMA-stored tile output: gluon-hopper stages one subtile per consumer."""
-    copies = GLUON_CONSUMERS if cfg.backend == "gluon-hopper" else 1
+    """Shared memory for one TMA-stored tile output: gluon-hopper stages `store_buffers` subtiles
+    per consumer."""
+    copies = GLUON_CONSUMERS * cfg.store_buffers if cfg.backend == "gluon-hopper" else 1
     return copies * staging_bytes(cfg, width, size)
 
 
@@ -64,6 +64,11 @@ class Config(BaseModel):
     # The epilogue runs on BLOCK_N // subtile columns at a time: a heavy epilogue's temporaries
     # then need a fraction of the registers, so it can follow a wide (128x256) accumulator.
     subtile: int = Field(default=1, ge=1)
+    # gluon-hopper only: the Tile-operand ring's slots (subtiles the epilogue loader may run
+    # ahead) and each consumer's TMA store staging buffers (2: a subtile's stores drain while
+    # the next subtile is written)
+    epi_stages: int = Field(default=2, ge=1, le=8)
+    store_buffers: int = Field(default=1, ge=1, le=2)
 
     @field_validator("num_warps")
     @classmethod
@@ -83,7 +88,10 @@ class Config(BaseModel):
     def _subtiles(self) -> "Config":
         if self.epi_n < 16:
             raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
-        if self.backend == "gluon-hopper":
+        if self.backend != "gluon-hopper":
+            if self.epi_stages != 2 or self.store_buffers != 1:
+                raise ValueError("Config: epi_stages and store_buffers are gluon-hopper options")
+        else:
             if self.num_warps != 4 or self.flatten:
                 raise ValueError("Config: gluon-hopper runs one warpgroup per consumer (num_warps=4) and has no "
                                  "flattened tile loop (flatten=False)")

@@ -14,7 +14,8 @@ Roles, one persistent program per SM:
   epilogue is done. Both matter for correctness, not only speed: a ring slot's barrier tells
   phases apart by parity alone, so a consumer may never wait on a slot more than one phase
   ahead of the loader, which the turns guarantee.
-  Tile outputs leave through per-consumer SMEM staging buffers and asynchronous TMA stores.
+  Tile outputs leave through per-consumer SMEM staging buffers (STAGE_BUFS each, used in turn
+  by successive subtiles) and asynchronous TMA stores.
 
 The epilogue never moves data between threads: subtiles are register slices of the
 accumulator, and every value lives in the accumulator's layout (`EPI`) or, for values of half
@@ -82,7 +83,7 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, eturn,
               M, N, K,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_SMS: gl.constexpr, EPI_N: gl.constexpr, STAGES: gl.constexpr, E_STAGES: gl.constexpr,
-              A_COL: gl.constexpr, B_COL: gl.constexpr):
+              STAGE_BUFS: gl.constexpr, A_COL: gl.constexpr, B_COL: gl.constexpr):
     SUBTILE: gl.constexpr = BLOCK_N // EPI_N
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     EPI: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, EPI_N, 16])
@@ -139,7 +140,7 @@ def <<kernel_name>>(
     <<args>>
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     NUM_SMS: gl.constexpr, EPI_N: gl.constexpr, STAGES: gl.constexpr, E_STAGES: gl.constexpr,
-    A_COL: gl.constexpr, B_COL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGE_BUFS: gl.constexpr, A_COL: gl.constexpr, B_COL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     a_bufs = gl.allocate_shared_memory(a_src.dtype, [STAGES] + a_src.block_type.shape, a_src.layout)
     b_bufs = gl.allocate_shared_memory(b_src.dtype, [STAGES] + b_src.block_type.shape, b_src.layout)
@@ -156,9 +157,9 @@ def <<kernel_name>>(
     <<alloc>>
     gl.warp_specialize([
         (_consumer, (0, a_bufs, b_bufs, ready, empty, turn, eturn, <<consumer_args>> M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                     NUM_SMS, EPI_N, STAGES, E_STAGES, A_COL, B_COL)),
+                     NUM_SMS, EPI_N, STAGES, E_STAGES, STAGE_BUFS, A_COL, B_COL)),
         (_consumer, (1, a_bufs, b_bufs, ready, empty, turn, eturn, <<consumer_args>> M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                     NUM_SMS, EPI_N, STAGES, E_STAGES, A_COL, B_COL)),
+                     NUM_SMS, EPI_N, STAGES, E_STAGES, STAGE_BUFS, A_COL, B_COL)),
         (_operand_loader, (a_src, b_src, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                            NUM_SMS, STAGES, A_COL, B_COL)),
         <<epilogue_loader_partition>>

@@ -1,0 +1,163 @@
+"""Where a heavy epilogue's time goes on gluon-hopper, and which epilogue options hide it (H200).
+
+For the block's heaviest fused GEMMs at D=2048 (short K: the epilogue is longest next to the
+K loop), time each one under gluon-hopper configs that vary the epilogue's pipelining (Tile-
+operand ring slots `epi_stages`, TMA store staging buffers `store_buffers`, subtile width, ring
+depth), next to the bare cuBLAS GEMM and coda's own plain GEMM of the same shape; and, for the
+SwiGLU backward, two halves of its epilogue (its loads alone, its stores alone) to tell which
+one costs. Every kernel is checked against its fp32 reference before it is timed.
+
+    python bench/epilogue_cost.py --out DIR
+    python bench/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import coda
+from coda.ops import epilogues as E
+from coda.runtime import launch
+import harness
+from harness import NOTES, log, rand, rel_err
+
+
+@coda.epilogue
+def swiglu_loads_only(acc, z: coda.Tile(width=2)):
+    """The SwiGLU backward's Tile load and row sum, no tile stores."""
+    gate, up = coda.pairs(z)
+    return coda.reduce_n(acc * gate * up, "sum")
+
+
+@coda.epilogue
+def swiglu_stores_only(acc):
+    """The SwiGLU backward's stores (dz of width 2, y), no Tile load."""
+    return {"dz": coda.interleave(acc, acc * 2.0), "y": acc}
+
+
+def _case(name: str, m: int, d: int, f: int) -> tuple:
+    """(epilogue, a, b, operands) of one block GEMM at D=d, FFN=f (b = W.T, nn.Linear layout)."""
+    if name == "swiglu_backward_zdz":
+        return E.swiglu_backward_zdz, rand(m, d), rand(f, d, scale=d**-0.5).T, {"z": rand(m, 2 * f)}
+    if name == "swiglu_loads_only":
+        return swiglu_loads_only, rand(m, d), rand(f, d, scale=d**-0.5).T, {"z": rand(m, 2 * f)}
+    if name == "swiglu_stores_only":
+        return swiglu_stores_only, rand(m, d), rand(f, d, scale=d**-0.5).T, {}
+    if name == "plain_swiglu_shape":
+        return None, rand(m, d), rand(f, d, scale=d**-0.5).T, {}
+    if name == "residual_norm_stats":
+        return (E.residual_norm_stats, rand(m, d), rand(d, d, scale=d**-0.5).T,
+                {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device="cuda"))})
+    if name == "rmsnorm_backward_residual":
+        k = 3 * d // 2  # the QKV width of 32/8 heads
+        return (E.rmsnorm_backward_residual, rand(m, k), rand(k, d, scale=k**-0.5),
+                {"grad": rand(m, d), "x": rand(m, d), "norm_weight": 1 + 0.1 * torch.randn(d, device="cuda"),
+                 "rstd": torch.rand(m, device="cuda") + 0.5, "zdz_over_d": torch.randn(m, device="cuda") * 0.01})
+    raise ValueError(name)
+
+
+CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "plain_swiglu_shape",
+         "residual_norm_stats", "rmsnorm_backward_residual"]
+BASE = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
+CONFIGS = {
+    "sub4 e2 b1": dict(subtile=4),
+    "sub4 e4 b1": dict(subtile=4, epi_stages=4),
+    "sub4 e2 b2": dict(subtile=4, store_buffers=2),
+    "sub4 e4 b2": dict(subtile=4, epi_stages=4, store_buffers=2),
+    "sub4 e3 b2 st3": dict(subtile=4, epi_stages=3, store_buffers=2, num_stages=3),
+    "sub2 e2 b1": dict(subtile=2),
+    "sub2 e2 b2": dict(subtile=2, store_buffers=2),
+    "sub8 e4 b2": dict(subtile=8, epi_stages=4, store_buffers=2),
+    "sub4 e2 ptr-stores": dict(subtile=4, tma_store=False),
+}
+
+
+def _error(result, ref) -> float:
+    outs = result if isinstance(result, dict) else {next(iter(ref)): result}
+    return max(rel_err(outs[k], ref[k]) for k in ref)
+
+
+def measure(m: int, d: int, f: int) -> list[dict]:
+    rows = []
+    for name in CASES:
+        ep, a, b, ops = _case(name, m, d, f)
+        shape = [a.shape[0], b.shape[1], a.shape[1]]
+        bare = harness.timed(lambda: torch.matmul(a, b))
+        ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
+        ref = ref if isinstance(ref, dict) else {"out": ref}
+        for label, extra in CONFIGS.items():
+            if ep is None and label != "sub4 e2 b1":
+                continue
+            try:
+                cfg = coda.Config(**{**BASE, **extra})
+                graph = launch.PLAIN if ep is None else ep.graph
+                fn = lambda: launch.run(graph, a, b, ops, config=cfg)  # noqa: E731
+                err = _error(fn(), ref)
+                if not err < 2e-2:
+                    raise AssertionError(f"error {err:.3g} vs the fp32 reference")
+                ms = harness.timed(fn)
+            except Exception as exc:  # noqa: BLE001 - a config that cannot run is reported
+                NOTES.append(f"{name} {label}: {type(exc).__name__}: {str(exc)[:200]}")
+                log(f"  {name:28s} {label:20s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            rows.append({"case": name, "gemm": shape, "config": label, "ms": ms, "bare_gemm_ms": bare, "err": err})
+            log(f"  {name:28s} {label:20s} {ms:8.4f} ms  cuBLAS {bare:8.4f}  x{ms / bare:5.3f}")
+    return rows
+
+
+def table(data: dict) -> str:
+    labels = list(CONFIGS)
+    lines = ["| case | GEMM [M, N, K] | cuBLAS ms | " + " | ".join(labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]
+    by: dict[str, dict] = {}
+    for r in data["rows"]:
+        by.setdefault(r["case"], {"gemm": r["gemm"], "bare": r["bare_gemm_ms"]})[r["config"]] = r["ms"] / r["bare_gemm_ms"]
+    for case, v in by.items():
+        cells = [f"{v[c]:.3f}" if c in v else "-" for c in labels]
+        lines.append(f"| {case} | {v['gemm']} | {v['bare']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--f", type=int, default=8192)
+    ap.add_argument("--merge", type=Path, help="write <out>/epilogue_cost.{json,md} from a measured JSON")
+    args = ap.parse_args()
+    if args.merge:
+        data = json.loads(args.merge.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))
+        md = ["# epilogue_cost", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton "
+              f"{data['meta']['triton']}, commit {data['meta']['commit']}.", "", data["meta"]["protocol"], "",
+              "Each cell: ms / cuBLAS ms of the same GEMM (same run).", "", table(data), ""]
+        md += [f"* {n}" for n in data["notes"]]
+        (args.out / "epilogue_cost.md").write_text("\n".join(md) + "\n")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("epilogue_cost.py measures on a CUDA GPU; --merge runs anywhere")
+    import triton
+
+    torch.manual_seed(0)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("CODA_COMMIT", "unknown"), "python": platform.python_version(),
+            "protocol": f"do_bench median, bf16, M={args.m}, D={args.d}, FFN={args.f}; each kernel checked against "
+                        "its fp32 reference first; cuBLAS = torch.matmul of the same operands, timed in the same run"}
+    rows = measure(args.m, args.d, args.f)
+    data = {"meta": meta, "rows": rows, "notes": NOTES}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))
+    log(table(data))
+
+
+if __name__ == "__main__":
+    main()

@@ -42,29 +42,38 @@ def swiglu_stores_only(acc):
     return {"dz": coda.interleave(acc, acc * 2.0), "y": acc}
 
 
-def _case(name: str, m: int, d: int, f: int) -> tuple:
-    """(epilogue, a, b, operands) of one block GEMM at D=d, FFN=f (b = W.T, nn.Linear layout)."""
+def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
+    """(epilogue, a, b, operands) of one block GEMM at D=d, FFN=f (b = W.T, nn.Linear layout);
+    `k` replaces the GEMM's inner size (64: the epilogue alone, next to a negligible K loop)."""
+    kd = k or d
     if name == "swiglu_backward_zdz":
-        return E.swiglu_backward_zdz, rand(m, d), rand(f, d, scale=d**-0.5).T, {"z": rand(m, 2 * f)}
+        return E.swiglu_backward_zdz, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
     if name == "swiglu_loads_only":
-        return swiglu_loads_only, rand(m, d), rand(f, d, scale=d**-0.5).T, {"z": rand(m, 2 * f)}
+        return swiglu_loads_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
     if name == "swiglu_stores_only":
-        return swiglu_stores_only, rand(m, d), rand(f, d, scale=d**-0.5).T, {}
+        return swiglu_stores_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
     if name == "plain_swiglu_shape":
-        return None, rand(m, d), rand(f, d, scale=d**-0.5).T, {}
+        return None, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
     if name == "residual_norm_stats":
-        return (E.residual_norm_stats, rand(m, d), rand(d, d, scale=d**-0.5).T,
+        return (E.residual_norm_stats, rand(m, kd), rand(d, kd, scale=kd**-0.5).T,
                 {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device="cuda"))})
     if name == "rmsnorm_backward_residual":
-        k = 3 * d // 2  # the QKV width of 32/8 heads
+        k = k or 3 * d // 2  # the QKV width of 32/8 heads
         return (E.rmsnorm_backward_residual, rand(m, k), rand(k, d, scale=k**-0.5),
                 {"grad": rand(m, d), "x": rand(m, d), "norm_weight": 1 + 0.1 * torch.randn(d, device="cuda"),
                  "rstd": torch.rand(m, device="cuda") + 0.5, "zdz_over_d": torch.randn(m, device="cuda") * 0.01})
+    if name == "rms_swiglu":
+        return E.rms_swiglu, rand(m, kd), rand(2 * f, kd, scale=kd**-0.5).T, {"rstd": torch.rand(m, device="cuda") + 0.5}
+    if name == "rms_rope":
+        q = 3 * d // 2
+        return (E.rms_rope, rand(m, kd), rand(q, kd, scale=kd**-0.5).T,
+                {"rstd": torch.rand(m, device="cuda") + 0.5, "pos": torch.arange(m, device="cuda") % 4096,
+                 "freq": torch.rand(q // 2, device="cuda") * 0.5})
     raise ValueError(name)
 
 
 CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "plain_swiglu_shape",
-         "residual_norm_stats", "rmsnorm_backward_residual"]
+         "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope"]
 BASE = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
 CONFIGS = {
     "sub4 e2 b1": dict(subtile=4),
@@ -84,19 +93,20 @@ def _error(result, ref) -> float:
     return max(rel_err(outs[k], ref[k]) for k in ref)
 
 
-def measure(m: int, d: int, f: int) -> list[dict]:
+def measure(m: int, d: int, f: int, k: int | None = None, configs: dict | None = None) -> list[dict]:
     rows = []
+    configs = CONFIGS if configs is None else configs
     for name in CASES:
-        ep, a, b, ops = _case(name, m, d, f)
+        ep, a, b, ops = _case(name, m, d, f, k)
         shape = [a.shape[0], b.shape[1], a.shape[1]]
         bare = harness.timed(lambda: torch.matmul(a, b))
         ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
         ref = ref if isinstance(ref, dict) else {"out": ref}
-        for label, extra in CONFIGS.items():
+        for label, extra in configs.items():
             if ep is None and label != "sub4 e2 b1":
                 continue
             try:
-                cfg = coda.Config(**{**BASE, **extra})
+                cfg = coda.Config(**(extra if extra.get("backend") == "triton" else {**BASE, **extra}))
                 graph = launch.PLAIN if ep is None else ep.graph
                 fn = lambda: launch.run(graph, a, b, ops, config=cfg)  # noqa: E731
                 err = _error(fn(), ref)
@@ -107,13 +117,14 @@ def measure(m: int, d: int, f: int) -> list[dict]:
                 NOTES.append(f"{name} {label}: {type(exc).__name__}: {str(exc)[:200]}")
                 log(f"  {name:28s} {label:20s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            rows.append({"case": name, "gemm": shape, "config": label, "ms": ms, "bare_gemm_ms": bare, "err": err})
+            rows.append({"case": name if k is None else f"{name} K={k}", "gemm": shape, "config": label, "ms": ms,
+                         "bare_gemm_ms": bare, "err": err})
             log(f"  {name:28s} {label:20s} {ms:8.4f} ms  cuBLAS {bare:8.4f}  x{ms / bare:5.3f}")
     return rows
 
 
 def table(data: dict) -> str:
-    labels = list(CONFIGS)
+    labels = list(dict.fromkeys(r["config"] for r in data["rows"]))
     lines = ["| case | GEMM [M, N, K] | cuBLAS ms | " + " | ".join(labels) + " |",
              "|---|---|---|" + "---|" * len(labels)]
     by: dict[str, dict] = {}
@@ -152,7 +163,12 @@ def main() -> None:
             "commit": os.environ.get("CODA_COMMIT", "unknown"), "python": platform.python_version(),
             "protocol": f"do_bench median, bf16, M={args.m}, D={args.d}, FFN={args.f}; each kernel checked against "
                         "its fp32 reference first; cuBLAS = torch.matmul of the same operands, timed in the same run"}
-    rows = measure(args.m, args.d, args.f)
+    # the epilogues alone first (K = 64: a tile's time is then its epilogue's, the consumers'
+    # epilogues taking turns), on both backends; then the real shapes under the gluon configs
+    alone = {"sub4 e2 b1": CONFIGS["sub4 e2 b1"], "sub1 e2 b1": dict(subtile=1), "sub2 e2 b1": CONFIGS["sub2 e2 b1"],
+             "triton": dict(backend="triton", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                            flatten=True, subtile=2)}
+    rows = measure(args.m, args.d, args.f, k=64, configs=alone) + measure(args.m, args.d, args.f)
     data = {"meta": meta, "rows": rows, "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))

@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--f", type=int, default=8192)
+    ap.add_argument("--alone-only", action="store_true", help="only the epilogues alone (K = 64)")
     ap.add_argument("--merge", type=Path, help="write <out>/epilogue_cost.{json,md} from a measured JSON")
     args = ap.parse_args()
     if args.merge:
@@ -168,7 +169,9 @@ def main() -> None:
     alone = {"sub4 e2 b1": CONFIGS["sub4 e2 b1"], "sub1 e2 b1": dict(subtile=1), "sub2 e2 b1": CONFIGS["sub2 e2 b1"],
              "triton": dict(backend="triton", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
                             flatten=True, subtile=2)}
-    rows = measure(args.m, args.d, args.f, k=64, configs=alone) + measure(args.m, args.d, args.f)
+    rows = measure(args.m, args.d, args.f, k=64, configs=alone)
+    if not args.alone_only:
+        rows += measure(args.m, args.d, args.f)
     data = {"meta": meta, "rows": rows, "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))

@@ -14,11 +14,13 @@ weights after the two steps must be bit-identical:
   restricted to it.
 With MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the reference does the same in a bf16
 copy of its fp32 weights and accumulates the per-batch gradients in fp32, as FSDP2 does.
+Last, bench/train_fsdp.py --tiny under torchrun (2 ranks), whose own reference must agree exactly too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -162,6 +164,29 @@ def test_one_rank_sharded_equals_unsharded_fp32(tmp_path: Path) -> None:
 
 def test_two_ranks_bf16_params_fp32_reduce_equal_reference(tmp_path: Path) -> None:
     _check(_launch(tmp_path, 2, tied=False, checkpoint=False, dtype="bf16"), 2, tied=False)
+
+
+def test_train_fsdp_script_tiny_two_ranks_with_reference(tmp_path: Path) -> None:
+    """bench/train_fsdp.py --tiny under torchrun (2 gloo ranks, bf16 params, checkpointing): its
+    progress lines and files, and its unsharded reference's losses equal to the sharded run's (the
+    reference emulates FSDP2's mixed precision and averaging as above, so on the CPU exactly)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(root / "bench" / "train_fsdp.py"), "--tiny", "--steps", "1", "--warmup", "1", "--checkpoint",
+           "--reference", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "[train_fsdp] step 2/2: loss" in proc.stdout and "[train_fsdp] reference step 2/2" in proc.stdout
+    data = json.loads((tmp_path / "train_fsdp.json").read_text())
+    r = data["result"]
+    assert r["world"] == 2 and [s["timed"] for s in r["steps"]] == [False, True]
+    assert r["tokens_per_s_per_gpu"] > 0 and r["peak_mem_gib"] > 0
+    assert data["meta"]["param_dtype"] == "bfloat16" and data["meta"]["checkpoint"]
+    assert len(data["reference"]["losses"]) == 2 and data["reference"]["max_abs_diff"] == 0
+    assert all(3 < s["loss"] < 6 for s in r["steps"])  # about log(128) = 4.85 from a random init
+    md = (tmp_path / "train_fsdp.md").read_text()
+    assert "| 1 (warm-up) |" in md and "| 2 |" in md and "max |loss - reference| = 0" in md
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ embedding to layer 0's QKV projection, `block_segment` from layer l's attention 
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
 Attention is `F.scaled_dot_product_attention` (causal, GQA) between them. The parameters are held
-per HF layer in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v);
-`from_hf` / `to_hf_state_dict` convert from and to transformers' names and layouts.
+in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
+forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
+`from_hf` / `to_hf_state_dict` convert from and to transformers' names, grouping and layouts.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ max_memory_allocated over the timed steps, the largest of the ranks (CPU: the pr
 --reference: afterwards rank 0 alone trains the unsharded model from the same init on the same
 batches (all ranks' batches one after another each step, each on a --param-dtype copy of the fp32
 weights, gradients summed in fp32 and divided by N, the same AdamW): what FSDP2 computes, without
-sharding. The JSON gets both loss curves and their largest difference (0 on the CPU, where every
+sharding (so it needs the whole model on one device: about 18 bytes per parameter, with --layers to
+shrink it). The JSON gets both loss curves and their largest difference (0 on the CPU, where every
 kernel is deterministic; on a GPU attention's backward may not be).
 
 On a GPU, NCCL_NVLS_ENABLE is set to 0 (NVLink multicast stays off). Output: DIR/train_fsdp.json

@@ -5,8 +5,9 @@ embedding to layer 0's QKV projection, `block_segment` from layer l's attention 
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
 Attention is `F.scaled_dot_product_attention` (causal, GQA) between them. The parameters are held
-per HF layer in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v);
-`from_hf` / `to_hf_state_dict` convert from and to transformers' names and layouts.
+in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
+forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
+`from_hf` / `to_hf_state_dict` convert from and to transformers' names, grouping and layouts.
 """
 
 from __future__ import annotations
@@ -86,37 +87,110 @@ class CausalLMOutput:
 
 
 class LlamaLayer(nn.Module):
-    """One decoder layer's parameters in coda's layouts (used across two segments)."""
+    """Decoder layer i as the fused kernels cut it (MODEL.md): attention on layer i's qkv, then the
+    segment to layer i+1's qkv (layer i's output projection and MLP, layer i+1's input norm and QKV
+    projection), or for the last layer the segment to the final norm.
 
-    def __init__(self, c: LlamaConfig, **factory: object) -> None:
+    It owns exactly the parameters its forward reads, so that `fully_shard(layer)` (FSDP2) gathers
+    all of them in the layer's forward and backward and reduce-scatters each gradient after that
+    layer's backward. With HF's grouping a segment would read two layers' parameters and layer
+    i+1's QKV gradient would only appear after layer i+1 had been resharded and reduced. Layer 0's
+    input norm and QKV projection (the first segment) live on the model."""
+
+    def __init__(self, c: LlamaConfig, *, last: bool, **factory: object) -> None:
         super().__init__()
         d, f, hd = c.hidden_size, c.intermediate_size, c.dim_per_head
-        self.attn_norm = nn.Parameter(torch.ones(d, **factory))
-        self.w_qkv = nn.Parameter(torch.empty((c.num_attention_heads + 2 * c.num_key_value_heads) * hd, d, **factory))
+        self.config = c
         self.wo = nn.Parameter(torch.empty(d, c.num_attention_heads * hd, **factory))
         self.ffn_norm = nn.Parameter(torch.ones(d, **factory))
         self.w_gate_up = nn.Parameter(torch.empty(2 * f, d, **factory))
         self.w_down = nn.Parameter(torch.empty(d, f, **factory))
+        # Layer i+1's input norm and fused, pair-permuted QKV projection (none after the last layer).
+        self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
+        self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
+
+    def _attention(self, qkv: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        c, hd = self.config, self.config.dim_per_head
+        h, kv = c.num_attention_heads, c.num_key_value_heads
+        q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd), enable_gqa=h != kv)
+        return out.transpose(1, 2).reshape(batch * seq, h * hd)
+
+    def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
+                final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x_{i+1}, qkv_{i+1}); for the last layer (final norm output, None), `final_norm` being
+        the model's norm weight (a root parameter, gathered for the whole step under FSDP2)."""
+        c = self.config
+        attn = self._attention(qkv, batch, seq)
+        if self.next_w_qkv is None:
+            if final_norm is None:
+                raise ValueError("the last LlamaLayer needs the model's final norm weight")
+            return last_segment(attn, x, self.wo, self.ffn_norm, self.w_gate_up, self.w_down, final_norm,
+                                c.rms_norm_eps), None
+        w = NativeBlockWeights(wo=self.wo, g_ffn=self.ffn_norm, w_gate_up=self.w_gate_up, w_down=self.w_down,
+                               g_attn=self.next_attn_norm, w_qkv=self.next_w_qkv, n_heads=c.num_attention_heads,
+                               n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
+                               rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling))
+        return block_segment(attn, x, pos, w)
+
+
+def _qkv_rows(c: LlamaConfig) -> int:
+    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.dim_per_head
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) parameter or gradient gathered whole; a plain tensor as it is.
+    Gathering is a collective: every rank must make the same calls."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+    return t
 
 
 class LlamaForCausalLM(nn.Module):
     """A Llama decoder + LM head + loss on coda's fused ops. `model(input_ids, labels=None,
-    position_ids=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward."""
+    position_ids=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward.
+
+    The parameters are nn.Parameters of the module that reads them: the embedding, layer 0's input
+    norm and QKV projection (the first segment), the final norm and the LM head on the model, the rest
+    on `layers[i]` (LlamaLayer: a segment's weights), and the forward reads them afresh on every call.
+    That is what FSDP2 needs (`fully_shard` per layer, then on the model: docs/MODEL.md): each
+    module's parameters are gathered in its own forward and backward, the root's for the whole step,
+    and the custom ops only ever see those gathered tensors."""
 
     def __init__(self, config: LlamaConfig, *, checkpoint: bool = False, initializer_range: float = 0.02,
                  **factory: object) -> None:
         super().__init__()
         self.config, self.checkpoint = config, checkpoint
-        c = config
+        c, n = config, config.num_hidden_layers
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory))
-        self.layers = nn.ModuleList(LlamaLayer(c, **factory) for _ in range(c.num_hidden_layers))
+        self.first_attn_norm = nn.Parameter(torch.ones(c.hidden_size, **factory))  # layer 0's input norm
+        self.first_w_qkv = nn.Parameter(torch.empty(_qkv_rows(c), c.hidden_size, **factory))  # and QKV projection
+        self.layers = nn.ModuleList(LlamaLayer(c, last=i == n - 1, **factory) for i in range(n))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size,
                                                                                    **factory))
+        self.init_weights(initializer_range)
+
+    def init_weights(self, initializer_range: float = 0.02) -> None:
+        """Matrices ~ N(0, initializer_range), norm weights 1 (as in __init__; for a model built on
+        the meta device and materialized with to_empty)."""
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for p in self.parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, initializer_range)
+                else:
+                    p.fill_(1.0)
+
+    def _attn_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
+        """HF layer i's input norm and fused QKV weight (held by the model for i = 0, else by
+        layers[i - 1], whose segment ends with them)."""
+        if i == 0:
+            return self.first_attn_norm, self.first_w_qkv
+        prev = self.layers[i - 1]
+        return prev.next_attn_norm, prev.next_w_qkv
 
     # -- conversion ----------------------------------------------------------------------------
 
@@ -134,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
         return model
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named, HF-layout weights into this model's parameters."""
+        """Copy HF-named, HF-layout weights into this model's parameters (unsharded parameters:
+        load before fully_shard)."""
         c, hd = self.config, self.config.dim_per_head
         with torch.no_grad():
             self.embed_tokens.copy_(sd["model.embed_tokens.weight"])
@@ -143,12 +218,13 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.copy_(sd["lm_head.weight"])
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.attn_norm.copy_(sd[p + "input_layernorm.weight"])
-                layer.ffn_norm.copy_(sd[p + "post_attention_layernorm.weight"])
-                layer.w_qkv.copy_(torch.cat([
+                attn_norm, w_qkv = self._attn_params(i)
+                attn_norm.copy_(sd[p + "input_layernorm.weight"])
+                w_qkv.copy_(torch.cat([
                     permute_rope_rows(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads, hd),
                     permute_rope_rows(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads, hd),
                     sd[p + "self_attn.v_proj.weight"]]))
+                layer.ffn_norm.copy_(sd[p + "post_attention_layernorm.weight"])
                 layer.wo.copy_(sd[p + "self_attn.o_proj.weight"])
                 layer.w_gate_up.copy_(interleave_gate_up(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]))
                 layer.w_down.copy_(sd[p + "mlp.down_proj.weight"])
@@ -156,19 +232,20 @@ class LlamaForCausalLM(nn.Module):
     def to_hf_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
         """transformers' names and layouts (new contiguous tensors; the exact inverse of from_hf).
         grads=True: the parameters' gradients instead (zeros where None), e.g. to compare with an
-        HF model's; a tied embedding's gradient includes the LM head's, as HF's tied weight's does."""
+        HF model's; a tied embedding's gradient includes the LM head's, as HF's tied weight's does.
+        Under FSDP2 the shards are gathered whole (a collective: call it on every rank)."""
         c, hd = self.config, self.config.dim_per_head
         nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
 
         def get(p: torch.Tensor) -> torch.Tensor:
             if not grads:
-                return p.detach()
-            return torch.zeros_like(p) if p.grad is None else p.grad
+                return _full(p.detach())
+            return torch.zeros(p.shape, dtype=p.dtype, device=p.device) if p.grad is None else _full(p.grad)
 
         sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": get(self.embed_tokens)}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            w_qkv = get(layer.w_qkv)
+            attn_norm, w_qkv = (get(t) for t in self._attn_params(i))
             gate, up = split_gate_up(get(layer.w_gate_up))
             sd.update({
                 p + "self_attn.q_proj.weight": unpermute_rope_rows(w_qkv[:nq], c.num_attention_heads, hd),
@@ -177,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
                 p + "self_attn.o_proj.weight": get(layer.wo),
                 p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                 p + "mlp.down_proj.weight": get(layer.w_down),
-                p + "input_layernorm.weight": get(layer.attn_norm),
+                p + "input_layernorm.weight": attn_norm,
                 p + "post_attention_layernorm.weight": get(layer.ffn_norm),
             })
         sd["model.norm.weight"] = get(self.norm)
@@ -185,30 +262,6 @@ class LlamaForCausalLM(nn.Module):
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     # -- forward -------------------------------------------------------------------------------
-
-    def _segment_weights(self, i: int) -> NativeBlockWeights:
-        """Layer i's attention output projection and MLP with layer i+1's norm and QKV projection."""
-        c, this, nxt = self.config, self.layers[i], self.layers[i + 1]
-        return NativeBlockWeights(wo=this.wo, g_ffn=this.ffn_norm, w_gate_up=this.w_gate_up, w_down=this.w_down,
-                                  g_attn=nxt.attn_norm, w_qkv=nxt.w_qkv, n_heads=c.num_attention_heads,
-                                  n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                                  rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling))
-
-    def _attention(self, qkv: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-        c, hd = self.config, self.config.dim_per_head
-        h, kv = c.num_attention_heads, c.num_key_value_heads
-        q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd), enable_gqa=h != kv)
-        return out.transpose(1, 2).reshape(batch * seq, h * hd)
-
-    def _layer(self, i: int, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int):
-        """Layer i's attention, then the segment to layer i+1's qkv (or, for the last, the final norm)."""
-        attn = self._attention(qkv, batch, seq)
-        if i + 1 < len(self.layers):
-            return block_segment(attn, x, pos, self._segment_weights(i))
-        layer = self.layers[i]
-        return last_segment(attn, x, layer.wo, layer.ffn_norm, layer.w_gate_up, layer.w_down, self.norm,
-                            self.config.rms_norm_eps), None
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> CausalLMOutput:
@@ -219,15 +272,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             pos = position_ids.expand(batch, seq).reshape(-1)
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
-        first = self.layers[0]
-        qkv = first_segment(x, pos, first.attn_norm, first.w_qkv, n_heads=c.num_attention_heads,
+        qkv = first_segment(x, pos, self.first_attn_norm, self.first_w_qkv, n_heads=c.num_attention_heads,
                             n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
                             rope_scaling=c.rope_scaling)
-        for i in range(len(self.layers)):
+        for layer in self.layers:
+            # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its
+            # parameters for the forward and again for the recomputation in backward.
             if self.checkpoint and self.training and torch.is_grad_enabled():
-                x, qkv = checkpoint(self._layer, i, x, qkv, pos, batch, seq, use_reentrant=False)
+                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, use_reentrant=False)
             else:
-                x, qkv = self._layer(i, x, qkv, pos, batch, seq)
+                x, qkv = layer(x, qkv, pos, batch, seq, self.norm)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if labels is None:
             return CausalLMOutput(logits=F.linear(x, head).view(batch, seq, -1))

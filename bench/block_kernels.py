@@ -190,6 +190,11 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
     return out
 
 
+def _config_label(c: dict) -> str:
+    text = f"{c['block_m']}x{c['block_n']}x{c['block_k']} st{c['num_stages']} sub{c['subtile']}"
+    return text + (f" g{c['group_m']}" if "group_m" in c else "")
+
+
 def table(data: dict) -> str:
     lines = ["| D | kernel | GEMM [M, N, K] | cuBLAS ms | gluon-hopper ms (x cuBLAS) | triton ms (x cuBLAS) | chosen |",
              "|---|---|---|---|---|---|---|"]
@@ -203,6 +208,16 @@ def table(data: dict) -> str:
             cells.append("-" if r is None else f"{r['ms']:.3f} ({r['ms'] / r['bare_gemm_ms']:.3f})")
         chosen = next((b for b in BACKENDS if v.get(b, {}).get("chosen")), "-")
         lines.append(f"| {d} | {kernel} | {v['gemm']} | {v['bare']:.3f} | {cells[0]} | {cells[1]} | {chosen} |")
+    if data.get("sweep"):  # gluon configs: ms / cuBLAS ms, one column a config
+        labels = list(dict.fromkeys(_config_label(r["config"]) for r in data["sweep"]))
+        lines += ["", "gluon-hopper sweep (x cuBLAS): " + ", ".join(labels), "",
+                  "| D | kernel | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+        swept: dict[tuple, dict] = {}
+        for r in data["sweep"]:
+            cell = f"{r['ms'] / r['bare_gemm_ms']:.3f}" if r["ms"] else "-"
+            swept.setdefault((r["D"], r["kernel"]), {})[_config_label(r["config"])] = cell
+        for (d, kernel), v in swept.items():
+            lines.append(f"| {d} | {kernel} | " + " | ".join(v.get(c, "-") for c in labels) + " |")
     lines += ["", "| D | variant | ms fwd+bwd | x SoL |", "|---|---|---|---|"]
     sol = {r["D"]: r["ms"] for r in data["block"] if r["variant"] == "sol_graph"}
     for r in data["block"]:

@@ -49,9 +49,13 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
 
 def gluon_first(graph: Graph) -> bool:
     """Whether gluon-hopper is preferred without tuning (CODA_AUTOTUNE=0 runs the first backend;
-    tuning times both): for every program it can run, since its epilogues moved into register
-    slices of a full-width accumulator (template v2)."""
-    return True
+    tuning times both). From the block's GEMMs on the H200 at template v2
+    (bench/results/block_kernels.md): gluon-hopper was faster for every epilogue that reads an
+    operand or writes several outputs at D=4096 (e.g. the SwiGLU backward 1.24 vs 1.45 of
+    cuBLAS, RoPE 1.06 vs 1.22), Triton for the plain GEMM (e.g. 1.00 vs 1.05; 0.97-1.02 vs
+    1.02-1.12 at D=2048). Where the best backend depends on the shape (the SwiGLU backward at
+    D=2048, K=2048: Triton 1.67, gluon 2.06), tuning decides."""
+    return bool(graph.operands) or len(graph.outputs) > 1
 
 
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 harness = pytest.importorskip("harness")
 
-from conftest import DEVICE, assert_close  # noqa: E402
+from conftest import DEVICE, GPU, assert_close  # noqa: E402
 
 
 @pytest.fixture
@@ -87,16 +87,21 @@ def test_host_overhead_script() -> None:
 
 def test_block_kernels_script(cpu_harness) -> None:
     """Every GEMM of a tiny block, recorded and replayed on each backend: on the CPU the Triton
-    replay passes its fp32 check and gluon-hopper is refused with its reason (the interpreter)."""
+    replay passes its fp32 check and gluon-hopper is refused with its reason (the interpreter);
+    on the H200 both backends pass it, and one of them is the runtime's choice."""
     import block_kernels as bk
 
     rows, swept = bk.kernel_rows(64, 48, 40, sweep=False, save=lambda rows, swept: None, heads=4, kv=2)
-    assert [r["kernel"].split(":")[1] for r in rows] == [
+    assert list(dict.fromkeys(r["kernel"].split(":")[1] for r in rows)) == [
         "residual_norm_stats", "rms_swiglu", "residual_norm_stats", "rms_rope", "rmsnorm_backward_residual", "plain",
         "swiglu_backward_zdz", "plain", "rmsnorm_backward_residual", "plain", "plain", "plain"]
-    assert {r["backend"] for r in rows} == {"triton"} and all(r["chosen"] for r in rows) and not swept
-    assert all(r["err"] < 2e-2 for r in rows)
-    refused = [n for n in cpu_harness.NOTES if "gluon-hopper" in n]
-    assert len(refused) == 12 and all("interpreter" in n for n in refused)
+    assert all(r["err"] < 2e-2 for r in rows) and not swept
+    if GPU:
+        assert len(rows) == 24 and {r["backend"] for r in rows} == {"triton", "gluon-hopper"}
+        assert sum(r["chosen"] for r in rows) == 12
+    else:
+        assert {r["backend"] for r in rows} == {"triton"} and all(r["chosen"] for r in rows)
+        refused = [n for n in cpu_harness.NOTES if "gluon-hopper" in n]
+        assert len(refused) == 12 and all("interpreter" in n for n in refused)
     md = bk.table({"rows": rows, "block": [{"D": 64, "variant": "coda", "ms": 1.0}]})
     assert "| 64 | fwd1:rms_swiglu | [40, 96, 64] |" in md and "| 64 | coda | 1.000 | - |" in md

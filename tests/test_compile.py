@@ -74,7 +74,7 @@ def test_compiled_errors_are_the_eager_ones():
 
 def test_custom_op_checks():
     a, b, g, r = _inputs()
-    torch.library.opcheck(torch.ops.coda.gemm.default, (add._coda_signature[0], a, b, [0], [g], [], [], [torch.empty(M, N)]))
+    torch.library.opcheck(torch.ops.coda.gemm.default, (add._coda_signature[0], a, b, [0], [g], [], [], [torch.empty(M, N, device=DEVICE)]))
 
 
 def test_threads():

@@ -92,7 +92,7 @@ def test_block_kernels_script(cpu_harness) -> None:
     import block_kernels as bk
 
     rows, swept = bk.kernel_rows(64, 48, 40, sweep=False, save=lambda rows, swept: None, heads=4, kv=2)
-    assert list(dict.fromkeys(r["kernel"].split(":")[1] for r in rows)) == [
+    assert [k.split(":")[1] for k in dict.fromkeys(r["kernel"] for r in rows)] == [
         "residual_norm_stats", "rms_swiglu", "residual_norm_stats", "rms_rope", "rmsnorm_backward_residual", "plain",
         "swiglu_backward_zdz", "plain", "rmsnorm_backward_residual", "plain", "plain", "plain"]
     assert all(r["err"] < 2e-2 for r in rows) and not swept

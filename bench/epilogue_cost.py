@@ -84,6 +84,9 @@ CONFIGS = {
     "sub2 e2 b1": dict(subtile=2),
     "sub2 e2 b2": dict(subtile=2, store_buffers=2),
     "sub8 e4 b2": dict(subtile=8, epi_stages=4, store_buffers=2),
+    "sub8 e2 b1": dict(subtile=8),
+    "sub8 e4 b1": dict(subtile=8, epi_stages=4),
+    "sub8 e2 b2": dict(subtile=8, store_buffers=2),
     "sub4 e2 ptr-stores": dict(subtile=4, tma_store=False),
 }
 
@@ -93,17 +96,16 @@ def _error(result, ref) -> float:
     return max(rel_err(outs[k], ref[k]) for k in ref)
 
 
-def measure(m: int, d: int, f: int, k: int | None = None, configs: dict | None = None) -> list[dict]:
+def measure(m: int, d: int, f: int, cases: list[str], configs: dict, k: int | None = None) -> list[dict]:
     rows = []
-    configs = CONFIGS if configs is None else configs
-    for name in CASES:
+    for name in cases:
         ep, a, b, ops = _case(name, m, d, f, k)
         shape = [a.shape[0], b.shape[1], a.shape[1]]
         bare = harness.timed(lambda: torch.matmul(a, b))
         ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
         ref = ref if isinstance(ref, dict) else {"out": ref}
         for label, extra in configs.items():
-            if ep is None and label != "sub4 e2 b1":
+            if ep is None and label != next(iter(configs)):
                 continue
             try:
                 cfg = coda.Config(**(extra if extra.get("backend") == "triton" else {**BASE, **extra}))
@@ -142,7 +144,10 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--f", type=int, default=8192)
-    ap.add_argument("--alone-only", action="store_true", help="only the epilogues alone (K = 64)")
+    ap.add_argument("--alone", choices=("yes", "no", "only"), default="yes",
+                    help="also (or only) the epilogues alone (K = 64, both backends)")
+    ap.add_argument("--cases", help=f"comma-separated, of {CASES}")
+    ap.add_argument("--configs", help="comma-separated labels of CONFIGS")
     ap.add_argument("--merge", type=Path, help="write <out>/epilogue_cost.{json,md} from a measured JSON")
     args = ap.parse_args()
     if args.merge:
@@ -166,12 +171,15 @@ def main() -> None:
                         "its fp32 reference first; cuBLAS = torch.matmul of the same operands, timed in the same run"}
     # the epilogues alone first (K = 64: a tile's time is then its epilogue's, the consumers'
     # epilogues taking turns), on both backends; then the real shapes under the gluon configs
-    alone = {"sub4 e2 b1": CONFIGS["sub4 e2 b1"], "sub1 e2 b1": dict(subtile=1), "sub2 e2 b1": CONFIGS["sub2 e2 b1"],
-             "triton": dict(backend="triton", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
-                            flatten=True, subtile=2)}
-    rows = measure(args.m, args.d, args.f, k=64, configs=alone)
-    if not args.alone_only:
-        rows += measure(args.m, args.d, args.f)
+    cases = args.cases.split(",") if args.cases else CASES
+    configs = {c: CONFIGS[c] for c in args.configs.split(",")} if args.configs else CONFIGS
+    triton = {"triton": dict(backend="triton", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                             flatten=True, subtile=2)}
+    rows = []
+    if args.alone != "no":
+        rows += measure(args.m, args.d, args.f, cases, {**configs, **triton}, k=64)
+    if args.alone != "only":
+        rows += measure(args.m, args.d, args.f, cases, configs)
     data = {"meta": meta, "rows": rows, "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))

@@ -8,7 +8,7 @@ SwiGLU backward, two halves of its epilogue (its loads alone, its stores alone) 
 one costs. Every kernel is checked against its fp32 reference before it is timed.
 
     python bench/epilogue_cost.py --out DIR
-    python bench/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results
+    python bench/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results/epilogue_cost --name NAME
 """
 
 from __future__ import annotations
@@ -148,17 +148,18 @@ def main() -> None:
                     help="also (or only) the epilogues alone (K = 64, both backends)")
     ap.add_argument("--cases", help=f"comma-separated, of {CASES}")
     ap.add_argument("--configs", help="comma-separated labels of CONFIGS")
+    ap.add_argument("--name", default="epilogue_cost", help="--merge: the result files' name")
     ap.add_argument("--merge", type=Path, help="write <out>/epilogue_cost.{json,md} from a measured JSON")
     args = ap.parse_args()
     if args.merge:
         data = json.loads(args.merge.read_text())
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))
-        md = ["# epilogue_cost", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton "
+        (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=1))
+        md = [f"# {args.name}", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton "
               f"{data['meta']['triton']}, commit {data['meta']['commit']}.", "", data["meta"]["protocol"], "",
               "Each cell: ms / cuBLAS ms of the same GEMM (same run).", "", table(data), ""]
         md += [f"* {n}" for n in data["notes"]]
-        (args.out / "epilogue_cost.md").write_text("\n".join(md) + "\n")
+        (args.out / f"{args.name}.md").write_text("\n".join(md) + "\n")
         return
     if not torch.cuda.is_available():
         sys.exit("epilogue_cost.py measures on a CUDA GPU; --merge runs anywhere")

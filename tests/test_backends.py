@@ -267,6 +267,19 @@ def test_config_refuses_impossible_gluon_configs(change: dict, words: str) -> No
     Config(**{**GOOD, **change, "backend": "triton"})  # the same tile is fine for Triton
 
 
+@pytest.mark.parametrize("change", [{"epi_stages": 4}, {"store_buffers": 2}])
+def test_epilogue_pipelining_options_are_gluon_only(change: dict) -> None:
+    assert Config(**{**GOOD, **change}).model_dump()[next(iter(change))] == next(iter(change.values()))
+    with pytest.raises(ValueError, match="gluon-hopper options"):
+        Config(**{**GOOD, **change, "backend": "triton", "num_warps": 8})
+
+
+@pytest.mark.parametrize("change", [{"epi_stages": 0}, {"epi_stages": 9}, {"store_buffers": 3}])
+def test_epilogue_pipelining_options_are_bounded(change: dict) -> None:
+    with pytest.raises(ValueError):
+        Config(**{**GOOD, **change})
+
+
 def test_config_accepts_gluon_configs_within_limits() -> None:
     for change in ({}, {"block_m": 64, "block_n": 256, "subtile": 2}, {"block_m": 64, "block_n": 128},
                    {"subtile": 2}, {"block_n": 256, "block_m": 64}):

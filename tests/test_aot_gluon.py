@@ -214,16 +214,17 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
         w.close()
 
 
-def _by_name(name: str) -> Epilogue:
+def _all_epilogues() -> list[Epilogue]:
     eps = [ep for ep in vars(E).values() if isinstance(ep, Epilogue)]
-    eps += [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
-    return next(ep for ep in eps if ep.graph.name == name)
+    return eps + [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+
+
+def _by_name(name: str) -> Epilogue:
+    return next(ep for ep in _all_epilogues() if ep.graph.name == name)
 
 
 def _epilogues() -> list[str]:
-    names = [ep.graph.name for ep in vars(E).values() if isinstance(ep, Epilogue)]
-    names += [E.lm_head(d).graph.name for d in (torch.bfloat16, torch.float16, torch.float32)]
-    return sorted(set(names)) + ["plain"]
+    return sorted({ep.graph.name for ep in _all_epilogues()}) + ["plain"]
 
 
 EPILOGUES = _epilogues()

@@ -87,6 +87,8 @@ CONFIGS = {
     "sub8 e2 b1": dict(subtile=8),
     "sub8 e4 b1": dict(subtile=8, epi_stages=4),
     "sub8 e2 b2": dict(subtile=8, store_buffers=2),
+    "sub4 loop": dict(subtile=4, epilogue_loop=True),
+    "sub8 loop": dict(subtile=8, epilogue_loop=True),
     "sub4 e2 ptr-stores": dict(subtile=4, tma_store=False),
 }
 

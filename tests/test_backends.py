@@ -160,6 +160,21 @@ def test_gluon_source_parses_for_every_block_epilogue(name: str) -> None:
             tma_stores=tma, tma_tiles=tma, subtile=cfg.subtile))
 
 
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+def test_gluon_epilogue_loop_has_one_copy_of_the_epilogue(name: str) -> None:
+    """With epilogue_loop, the subtiles run as one loop picking its accumulator slice: the
+    epilogue's text appears once, not once a subtile."""
+    graph = EPILOGUES[name].graph
+    spec, _ = runtime_gluon_spec(graph, _zeros(graph, block_dtypes(graph)))
+    spec = spec.model_copy(update={"subtile": 4})
+    unrolled = generate(graph, spec)
+    looped = generate(graph, spec.model_copy(update={"epilogue_loop": True}))
+    ast.parse(looped)
+    assert "for h in range(SUBTILE):" in looped and "gl.where(h == 3, acc_3," in looped
+    assert unrolled.count("epi_acc = acc_") == 4 and "epi_acc = acc_" not in looped
+    assert looped.count("offs_n = off_n + gl.arange") == 1 and unrolled.count("offs_n = off_n + gl.arange") == 4
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(program=programs(64, 64, 32))
 def test_gluon_source_parses_for_random_programs(program: Program) -> None:

@@ -97,23 +97,35 @@ def generate(graph: Graph, spec: Specialization) -> str:
                   "    mbarrier.init(e_empty.index(i), count=1)"]
 
     sub = spec.subtile
-    epilogue: list[str] = []
-    for h in range(sub):
-        epilogue += [f"epi_acc = acc_{h}",
-                     "off_n = pid_n * BLOCK_N" + (f" + {h} * EPI_N" if h else ""),
-                     "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
+
+    def subtile(h: str) -> list[str]:
+        """The epilogue of subtile `h` (a literal index, or the loop's variable)."""
+        lines = ["off_n = pid_n * BLOCK_N" + ("" if h == "0" else f" + {h} * EPI_N"),
+                 "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
         if partials_n(graph):
-            epilogue.append(f"part_n = pid_n * {sub} + {h}")
+            lines.append(f"part_n = pid_n * {sub} + {h}")
         if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
-            epilogue.append(f"s_buf = CID * STAGE_BUFS + ((local // 2) * SUBTILE + {h}) % STAGE_BUFS")
-        epilogue += columns
+            lines.append(f"s_buf = CID * STAGE_BUFS + ((local // 2) * SUBTILE + {h}) % STAGE_BUFS")
+        lines += columns
         if tiles:  # this subtile's slot of the Tile-operand ring
-            epilogue += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",
-                         "mbarrier.wait(e_ready.index(e_slot), (e_count // E_STAGES) & 1)"]
-        epilogue += emitter.loads
+            lines += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",
+                      "mbarrier.wait(e_ready.index(e_slot), (e_count // E_STAGES) & 1)"]
+        lines += emitter.loads
         if tiles:  # the values are in registers: the slot goes back to the epilogue loader
-            epilogue += ["fence_async_shared()", "mbarrier.arrive(e_empty.index(e_slot), count=1)"]
-        epilogue += emitter.body + stores + reductions
+            lines += ["fence_async_shared()", "mbarrier.arrive(e_empty.index(e_slot), count=1)"]
+        return lines + emitter.body + stores + reductions
+
+    epilogue: list[str] = []
+    if spec.epilogue_loop and sub > 1:
+        # one copy of the code: the loop picks its subtile from the registers by selects
+        pick = "acc_0"
+        for h in range(1, sub):
+            pick = f"gl.where(h == {h}, acc_{h}, {pick})"
+        epilogue += ["for h in range(SUBTILE):", f"    epi_acc = {pick}"]
+        epilogue += [f"    {line}" for line in subtile("h")]
+    else:
+        for h in range(sub):
+            epilogue += [f"epi_acc = acc_{h}"] + subtile(str(h))
 
     loader, partition, warps, regs = "# (no Tile operand is read through TMA)", "# (no epilogue loader)", "", ""
     if tiles:

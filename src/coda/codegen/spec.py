@@ -44,6 +44,7 @@ class Specialization(BaseModel):
     tma_tiles: tuple[str, ...] = ()  # Tile operands read through TMA descriptors
     wide: bool = True  # int64 row offsets: some tensor spans 2**31 elements or more
     subtile: int = 1  # epilogue column subtiles per output tile (Config.subtile)
+    epilogue_loop: bool = False  # gluon-hopper: one loop over the subtiles (Config.epilogue_loop)
 
     def key(self) -> str:
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

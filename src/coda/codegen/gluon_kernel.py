@@ -31,10 +31,6 @@ def unsupported(graph: Graph, spec: Specialization) -> str | None:
     return None
 
 
-def _tuple(names: list[str]) -> str:
-    return f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
-
-
 def _subtiles(count: int) -> list[str]:
     """Split the [BLOCK_M, BLOCK_N] accumulator into `count` EPI_N-column subtiles acc_0.. by
     halving it: a reshape that puts the halves in a trailing dimension of 2, then a split. The

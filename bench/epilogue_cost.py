@@ -93,12 +93,39 @@ CONFIGS = {
 }
 
 
+# Triton's default for heavy epilogues, beside the gluon configs in the epilogue-alone runs
+TRITON = dict(backend="triton", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True,
+              subtile=2)
+
+
+def _config(label: str) -> coda.Config:
+    extra = TRITON if label == "triton" else CONFIGS[label]
+    return coda.Config(**(extra if extra.get("backend") == "triton" else {**BASE, **extra}))
+
+
+def launch_once(name: str, m: int, d: int, f: int, k: int | None, label: str) -> None:
+    """For a profiler: check one case under one config against fp32, then launch it twice more
+    (bench/ncu_epilogue.sh profiles the third launch)."""
+    ep, a, b, ops = _case(name, m, d, f, k)
+    graph = launch.PLAIN if ep is None else ep.graph
+    ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
+    ref = ref if isinstance(ref, dict) else {"out": ref}
+    cfg = _config(label)
+    err = _error(launch.run(graph, a, b, ops, config=cfg), ref)
+    if not err < 2e-2:
+        sys.exit(f"{name} {label}: error {err:.3g} vs the fp32 reference")
+    for _ in range(2):
+        launch.run(graph, a, b, ops, config=cfg)
+    torch.cuda.synchronize()
+    log(f"{name} K={k} {label}: checked (rel. error {err:.2e}) and launched 3 times")
+
+
 def _error(result, ref) -> float:
     outs = result if isinstance(result, dict) else {next(iter(ref)): result}
     return max(rel_err(outs[k], ref[k]) for k in ref)
 
 
-def measure(m: int, d: int, f: int, cases: list[str], configs: dict, k: int | None = None) -> list[dict]:
+def measure(m: int, d: int, f: int, cases: list[str], labels: list[str], k: int | None = None) -> list[dict]:
     rows = []
     for name in cases:
         ep, a, b, ops = _case(name, m, d, f, k)
@@ -106,11 +133,11 @@ def measure(m: int, d: int, f: int, cases: list[str], configs: dict, k: int | No
         bare = harness.timed(lambda: torch.matmul(a, b))
         ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
         ref = ref if isinstance(ref, dict) else {"out": ref}
-        for label, extra in configs.items():
-            if ep is None and label != next(iter(configs)):
+        for label in labels:
+            if ep is None and label != labels[0]:
                 continue
             try:
-                cfg = coda.Config(**(extra if extra.get("backend") == "triton" else {**BASE, **extra}))
+                cfg = _config(label)
                 graph = launch.PLAIN if ep is None else ep.graph
                 fn = lambda: launch.run(graph, a, b, ops, config=cfg)  # noqa: E731
                 err = _error(fn(), ref)
@@ -149,6 +176,9 @@ def main() -> None:
     ap.add_argument("--alone", choices=("yes", "no", "only"), default="yes",
                     help="also (or only) the epilogues alone (K = 64, both backends)")
     ap.add_argument("--cases", help=f"comma-separated, of {CASES}")
+    ap.add_argument("--launch", metavar="CASE", help="check and launch one case 3 times (for ncu; see --config, --k)")
+    ap.add_argument("--config", default="sub4 e2 b1", help="--launch: a CONFIGS label or 'triton'")
+    ap.add_argument("--k", type=int, help="--launch: the GEMM's K (default: the block's)")
     ap.add_argument("--configs", help="comma-separated labels of CONFIGS")
     ap.add_argument("--name", default="epilogue_cost", help="--merge: the result files' name")
     ap.add_argument("--merge", type=Path, help="write <out>/epilogue_cost.{json,md} from a measured JSON")
@@ -168,6 +198,9 @@ def main() -> None:
     import triton
 
     torch.manual_seed(0)
+    if args.launch:
+        launch_once(args.launch, args.m, args.d, args.f, args.k, args.config)
+        return
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("CODA_COMMIT", "unknown"), "python": platform.python_version(),
             "protocol": f"do_bench median, bf16, M={args.m}, D={args.d}, FFN={args.f}; each kernel checked against "
@@ -175,14 +208,12 @@ def main() -> None:
     # the epilogues alone first (K = 64: a tile's time is then its epilogue's, the consumers'
     # epilogues taking turns), on both backends; then the real shapes under the gluon configs
     cases = args.cases.split(",") if args.cases else CASES
-    configs = {c: CONFIGS[c] for c in args.configs.split(",")} if args.configs else CONFIGS
-    triton = {"triton": dict(backend="triton", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
-                             flatten=True, subtile=2)}
+    labels = args.configs.split(",") if args.configs else list(CONFIGS)
     rows = []
     if args.alone != "no":
-        rows += measure(args.m, args.d, args.f, cases, {**configs, **triton}, k=64)
+        rows += measure(args.m, args.d, args.f, cases, labels + ["triton"], k=64)
     if args.alone != "only":
-        rows += measure(args.m, args.d, args.f, cases, configs)
+        rows += measure(args.m, args.d, args.f, cases, labels)
     data = {"meta": meta, "rows": rows, "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "epilogue_cost.json").write_text(json.dumps(data, indent=1))

@@ -28,12 +28,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
-from ..ir.types import Kind
 from .cache import atomic_write, cache_dir
 from .env import env_flag
 from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
-from .config import (Config, check_config, default_config, gluon_scratch_bytes, min_block_n, ring_bytes, store_bytes,
-                     tile_load_bytes)
+from .config import Config, check_config, default_config, min_block_n, smem_bytes
 
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
 
@@ -143,17 +141,6 @@ def group_variants(cfg: Config, m: int) -> list[Config]:
             seen.add(min(g, tiles_m))
             out.append(cfg.model_copy(update={"group_m": g}))
     return out
-
-
-def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
-    """Shared memory the kernel needs with every Tile operand loaded and (with tma_store) every
-    tile output stored through TMA: the operand ring plus each one's staging tile."""
-    staging = sum(tile_load_bytes(cfg, s.frac_width, in_size) for s in graph.operands if s.kind == Kind.TILE)
-    if cfg.tma_store:
-        for o in graph.outputs:
-            if isinstance(o, StoreOutput):
-                staging += store_bytes(cfg, graph.node(o.x).frac_width, out_size)
-    return ring_bytes(cfg, in_size) + staging + gluon_scratch_bytes(graph, cfg)
 
 
 def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int, n: int) -> str | None:

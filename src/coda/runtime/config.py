@@ -172,18 +172,21 @@ def _gluon_default(graph: Graph, in_size: int) -> Config:
         block_n = max(128, need * subtile)
         cfg = Config(backend="gluon-hopper", block_m=128 if block_n <= 128 else 64, block_n=block_n, block_k=64,
                      num_warps=4, num_stages=4, subtile=subtile)
-        if gluon_smem_bytes(graph, cfg, in_size) <= HOPPER_SMEM_BYTES:
+        if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
             return cfg
     return Config(backend="gluon-hopper", block_m=128 if need <= 32 else 64, block_n=max(128, need * 4), block_k=64,
                   num_warps=4, num_stages=3, subtile=4)
 
 
-def gluon_smem_bytes(graph: Graph, cfg: Config, size: int) -> int:
-    """gluon-hopper's shared memory with every Tile operand and tile output staged for TMA
-    (elements of `size` bytes), beside the operand ring and the compiler's scratch."""
-    tiles = sum(tile_load_bytes(cfg, s.frac_width, size) for s in graph.operands if s.kind.value == "tile")
-    stores = sum(store_bytes(cfg, graph.node(o.x).frac_width, size) for o in graph.outputs if isinstance(o, StoreOutput))
-    return ring_bytes(cfg, size) + tiles + stores + gluon_scratch_bytes(graph, cfg)
+def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
+    """Shared memory the kernel needs with every Tile operand loaded and (with tma_store) every
+    tile output stored through TMA: the operand ring plus each one's staging tile, and the
+    compiler's scratch (gluon-hopper)."""
+    staging = sum(tile_load_bytes(cfg, s.frac_width, in_size) for s in graph.operands if s.kind.value == "tile")
+    if cfg.tma_store:
+        staging += sum(store_bytes(cfg, graph.node(o.x).frac_width, out_size)
+                       for o in graph.outputs if isinstance(o, StoreOutput))
+    return ring_bytes(cfg, in_size) + staging + gluon_scratch_bytes(graph, cfg)
 
 
 def gluon_scratch_bytes(graph: Graph, cfg: "Config") -> int:

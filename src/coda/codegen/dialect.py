@@ -22,6 +22,11 @@ def layout_suffix(width: Fraction) -> str:
     return _SUFFIX[width]
 
 
+def _all_rows(expr: str, columns: str, width: Fraction) -> str:
+    """Gluon: a column vector ([1, columns]) broadcast to every row of a tile of this width."""
+    return f"gl.broadcast({expr}, gl.zeros((BLOCK_M, {columns}), gl.int8, EPI{_SUFFIX[width]}))[0]"
+
+
 @dataclass(frozen=True)
 class Dialect:
     backend: str
@@ -63,7 +68,7 @@ class Dialect:
             return expr, "BLOCK_M"
         if not self.layouts:
             return expr, "1"
-        return f"gl.broadcast({expr}, gl.zeros((BLOCK_M, {columns}), gl.int8, EPI{_SUFFIX[width]}))[0]", "BLOCK_M"
+        return _all_rows(expr, columns, width), "BLOCK_M"
 
     def interleave(self, x: str, y: str, kind: object, columns: str, width: Fraction) -> str:
         """Columns (x_0, y_0, x_1, y_1, ...) of the given (result) width. Triton's own interleave;
@@ -72,8 +77,7 @@ class Dialect:
         if not self.layouts:
             return f"tl.interleave({x}, {y})"
         if kind.value != "tile":
-            half = f"gl.zeros((BLOCK_M, {columns} // 2), gl.int8, EPI{_SUFFIX[width / 2]})"
-            x, y = f"gl.broadcast({x}, {half})[0]", f"gl.broadcast({y}, {half})[0]"
+            x, y = (_all_rows(v, f"{columns} // 2", width / 2) for v in (x, y))
         return self.relayout(f"gl.reshape(gl.join({x}, {y}), (BLOCK_M, {columns}))", width)
 
     def tma_tile_load(self, name: str, base: str, col: str, width: Fraction) -> str:

@@ -24,7 +24,7 @@ from ..ir.nodes import (
 )
 from ..ir.primitives import PRIMITIVES, REDUCTIONS
 from ..ir.types import Kind
-from .dialect import Dialect, dialect_of, layout_suffix
+from .dialect import Dialect, dialect_of
 from .spec import FLOAT_DTYPES, OperandForm, Specialization, width_suffix
 
 _DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
@@ -95,7 +95,7 @@ class EpilogueEmitter:
             return v
         key = (node_id, width)
         if key not in self._widened:
-            name = f"v{node_id}{layout_suffix(width).lower()}"
+            name = f"v{node_id}_{width_suffix(width)}"
             self.body.append(f"{name} = {self.d.relayout(v, width)}")
             self._widened[key] = name
         return self._widened[key]
@@ -254,12 +254,12 @@ class EpilogueEmitter:
     def _reduction(self, out: ReduceOutput) -> list[str]:
         width = self.graph.node(out.x).frac_width
         c, mk = self._col_names(width)
-        rows, rmask = self._row_names(width)
         x = self.f32(out.x)
         ns = self.ns
         base, p = f"out_{out.name}", f"red_{out.name}"
         r = f"{p}_r"  # its temporaries are {p}_nan, {p}_max, {p}_cols: one suffix each (spec.py)
         if out.axis == "m":
+            _, rmask = self._row_names(width)
             return [
                 f"{r} = {ns}.sum({ns}.where({rmask}[:, None], {x}, 0.0), axis=0)",
                 f"{ns}.store({base}_ptr + pid_m.to({ns}.int64) * {n_total(width)} + {c}, {r}, mask={mk})",
@@ -289,6 +289,7 @@ class EpilogueEmitter:
             if relaid != r:
                 lines.append(f"{r} = {relaid}")
         if out.group is None:
+            rows, rmask = self._row_names(width)
             lines.append(f"{ns}.store({base}_ptr + {rows} * (num_pid_n * {self.spec.subtile}) + part_n, {r}, mask={rmask})")
         else:
             g = out.group

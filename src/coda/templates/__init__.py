@@ -12,7 +12,8 @@ Names the generated epilogue may use, in both templates (per tile unless said ot
   pid_m, pid_n, off_m     the tile's coordinates and first row
   offs_m, mask_m, rows    its row indices, row mask, row offsets (int64 when the spec is wide)
   num_pid_n               tiles along N (per-tile partial columns: num_pid_n * subtiles)
-per epilogue subtile (codegen repeats the epilogue block once per subtile):
+per epilogue subtile (codegen repeats the epilogue block once per subtile, or on gluon-hopper with
+epilogue_loop runs it in a loop over `h`):
   epi_acc                 the fp32 accumulator of this subtile, [BLOCK_M, EPI_N]
   off_n, offs_n, mask_n   its first column, column indices, column mask
   part_n                  its partial column (reductions over N without group=)
@@ -27,7 +28,8 @@ the epilogue has values of half or double width, EPI_H / ROWS_H / COLS_H and EPI
 COLS_2 (declared by the `layouts` hook; they split into and join from EPI with no data
 movement, which the generated code asserts); e_slot (the Tile-operand ring slot of this
 subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
-(per-consumer TMA staging buffers, [2, BLOCK_M, cols]); its extra hooks are consumer_params,
+(TMA staging buffers, [2 * STAGE_BUFS, BLOCK_M, cols]; s_buf, this subtile's buffer of its
+consumer); its extra hooks are consumer_params,
 consumer_args, alloc, layouts, subtiles, epilogue_loader, epilogue_loader_partition,
 epilogue_loader_warps, epilogue_loader_regs (and loader_params, loader_bytes, loader_copies in
 EPILOGUE_LOADER).

@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 
 import coda
-from coda.ir.reference import evaluate
 from coda.runtime import choose, launch
 from coda.runtime.validate import validate
 import harness
-from harness import NOTES, log, rel_err
+from harness import NOTES, gemm_error, gemm_reference, log
 from ops_block import block_case, fwd_bwd, max_err
 
 WIDTHS = {2048: 8192, 4096: 14336}
@@ -70,15 +69,6 @@ def record_calls(step) -> list[tuple]:
     return calls
 
 
-def _reference(graph, a, b, operands) -> dict[str, torch.Tensor]:
-    return evaluate(graph, a.float() @ b.float(), operands)
-
-
-def _error(result, ref: dict[str, torch.Tensor]) -> float:
-    outs = result if isinstance(result, dict) else {next(iter(ref)): result}
-    return max(rel_err(outs[k], ref[k]) for k in ref)
-
-
 def kernel_rows(d: int, f: int, m: int, sweep: bool, save, heads: int = 32, kv: int = 8) -> tuple[list[dict], list[dict]]:
     """Every GEMM of the block on each backend (and, with `sweep`, gluon configs); `save(rows, swept)`
     after each kernel, so a run stopped by its time limit keeps what it measured."""
@@ -90,7 +80,7 @@ def kernel_rows(d: int, f: int, m: int, sweep: bool, save, heads: int = 32, kv: 
         label = f"{'fwd' if i < 4 else 'bwd'}{i}:{name}"
         shape = [a.shape[0], b.shape[1], a.shape[1]]
         bare = harness.timed(lambda: torch.matmul(a, b))
-        ref = _reference(graph, a, b, operands)
+        ref = gemm_reference(graph, a, b, operands)
         os.environ["CODA_BACKEND"] = "auto"
         launch.run(graph, a, b, operands, out=out)
         interpret = coda.runtime.interpreting()
@@ -100,7 +90,7 @@ def kernel_rows(d: int, f: int, m: int, sweep: bool, save, heads: int = 32, kv: 
             os.environ["CODA_BACKEND"] = backend
             fn = lambda: launch.run(graph, a, b, operands, out=out)  # noqa: E731
             try:
-                err = _error(fn(), ref)
+                err = gemm_error(fn(), ref)
                 if not err < 2e-2:
                     raise AssertionError(f"error {err:.3g} vs the fp32 reference")
                 ms = harness.timed(fn)
@@ -117,7 +107,7 @@ def kernel_rows(d: int, f: int, m: int, sweep: bool, save, heads: int = 32, kv: 
                     try:
                         conf = coda.Config(backend="gluon-hopper", num_warps=4, **c)
                         run = lambda: launch.run(graph, a, b, operands, out=out, config=conf)  # noqa: E731
-                        err = _error(run(), ref)
+                        err = gemm_error(run(), ref)
                         t = harness.timed(run) if err < 2e-2 else None
                     except Exception as exc:  # noqa: BLE001
                         t, err = None, f"{type(exc).__name__}: {str(exc)[:100]}"

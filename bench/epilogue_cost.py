@@ -26,7 +26,7 @@ import coda
 from coda.ops import epilogues as E
 from coda.runtime import launch
 import harness
-from harness import NOTES, log, rand, rel_err
+from harness import NOTES, gemm_error, gemm_reference, log, rand
 
 
 @coda.epilogue
@@ -108,10 +108,8 @@ def launch_once(name: str, m: int, d: int, f: int, k: int | None, label: str) ->
     (bench/ncu_epilogue.sh profiles the third launch)."""
     ep, a, b, ops = _case(name, m, d, f, k)
     graph = launch.PLAIN if ep is None else ep.graph
-    ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
-    ref = ref if isinstance(ref, dict) else {"out": ref}
     cfg = _config(label)
-    err = _error(launch.run(graph, a, b, ops, config=cfg), ref)
+    err = gemm_error(launch.run(graph, a, b, ops, config=cfg), gemm_reference(graph, a, b, ops))
     if not err < 2e-2:
         sys.exit(f"{name} {label}: error {err:.3g} vs the fp32 reference")
     for _ in range(2):
@@ -120,27 +118,21 @@ def launch_once(name: str, m: int, d: int, f: int, k: int | None, label: str) ->
     log(f"{name} K={k} {label}: checked (rel. error {err:.2e}) and launched 3 times")
 
 
-def _error(result, ref) -> float:
-    outs = result if isinstance(result, dict) else {next(iter(ref)): result}
-    return max(rel_err(outs[k], ref[k]) for k in ref)
-
-
 def measure(m: int, d: int, f: int, cases: list[str], labels: list[str], k: int | None = None) -> list[dict]:
     rows = []
     for name in cases:
         ep, a, b, ops = _case(name, m, d, f, k)
+        graph = launch.PLAIN if ep is None else ep.graph
         shape = [a.shape[0], b.shape[1], a.shape[1]]
         bare = harness.timed(lambda: torch.matmul(a, b))
-        ref = ep.reference(a, b, **ops) if ep is not None else {"out": a.float() @ b.float()}
-        ref = ref if isinstance(ref, dict) else {"out": ref}
+        ref = gemm_reference(graph, a, b, ops)
         for label in labels:
             if ep is None and label != labels[0]:
                 continue
             try:
                 cfg = _config(label)
-                graph = launch.PLAIN if ep is None else ep.graph
                 fn = lambda: launch.run(graph, a, b, ops, config=cfg)  # noqa: E731
-                err = _error(fn(), ref)
+                err = gemm_error(fn(), ref)
                 if not err < 2e-2:
                     raise AssertionError(f"error {err:.3g} vs the fp32 reference")
                 ms = harness.timed(fn)

@@ -17,6 +17,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def gemm_reference(graph, a: torch.Tensor, b: torch.Tensor, operands: dict) -> dict[str, torch.Tensor]:
+    """A coda GEMM's fp32 oracle: its epilogue graph on the fp32 product, every output by name."""
+    from coda.ir.reference import evaluate
+
+    return evaluate(graph, a.float() @ b.float(), operands)
+
+
+def gemm_error(result, ref: dict[str, torch.Tensor]) -> float:
+    """The largest relative error of a coda GEMM's result (a tensor or a dict) against its oracle."""
+    outs = result if isinstance(result, dict) else {next(iter(ref)): result}
+    return max(rel_err(outs[k], ref[k]) for k in ref)
+
+
 def timed(fn) -> float:
     import triton
 

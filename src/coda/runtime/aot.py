@@ -15,7 +15,7 @@ from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
-from .config import GLUON_CONSUMER_REGS, GLUON_MAXNREG, HOPPER_SMEM_BYTES, Config, check_config
+from .config import GLUON_MAXNREG, HOPPER_SMEM_BYTES, Config, check_config, gluon_constexprs
 from .tma import gluon_layout
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
@@ -78,8 +78,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
     constexprs: dict[str, object] = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                                      "GROUP_M": cfg.group_m, "NUM_SMS": 132, "EPI_N": cfg.epi_n}
     if gluon:
-        constexprs.update({"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": spec.a_load == "tma_col",
-                           "B_COL": spec.b_load == "tma_col", "CONSUMER_REGS": GLUON_CONSUMER_REGS})
+        constexprs.update(gluon_constexprs(cfg, spec.a_load == "tma_col", spec.b_load == "tma_col"))
     else:
         constexprs["FLATTEN"] = cfg.flatten
     for name in constexprs:

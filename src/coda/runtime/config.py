@@ -111,6 +111,13 @@ class Config(BaseModel):
         return self.block_n // self.subtile
 
 
+def gluon_constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
+    """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
+    compile pass the same ones)."""
+    return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
+            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS}
+
+
 def min_block_n(graph: Graph) -> int:
     """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction."""
     need = 16

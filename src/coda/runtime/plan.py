@@ -15,7 +15,7 @@ from ..codegen import Specialization, operand_args, output_args
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
-from .config import GLUON_CONSUMER_REGS, GLUON_MAXNREG, Config
+from .config import GLUON_MAXNREG, Config, gluon_constexprs
 from .tma import gluon_layout
 from .validate import OPERAND_DTYPES, Call
 
@@ -130,9 +130,8 @@ class Plan:
             "GROUP_M": cfg.group_m, "NUM_SMS": grid[0], "EPI_N": cfg.epi_n, "num_warps": cfg.num_warps,
         }
         if gluon:
-            static.update({"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": spec.a_load == "tma_col",
-                           "B_COL": spec.b_load == "tma_col", "CONSUMER_REGS": GLUON_CONSUMER_REGS,
-                           "maxnreg": GLUON_MAXNREG})
+            static.update(gluon_constexprs(cfg, spec.a_load == "tma_col", spec.b_load == "tma_col"))
+            static["maxnreg"] = GLUON_MAXNREG
             layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k, True)
             layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n, True)
         else:

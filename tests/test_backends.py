@@ -166,7 +166,7 @@ def test_gluon_epilogue_loop_has_one_copy_of_the_epilogue(name: str) -> None:
     epilogue's text appears once, not once a subtile."""
     graph = EPILOGUES[name].graph
     spec, _ = runtime_gluon_spec(graph, _zeros(graph, block_dtypes(graph)))
-    spec = spec.model_copy(update={"subtile": 4})
+    spec = spec.model_copy(update={"subtile": 4, "epilogue_loop": False})
     unrolled = generate(graph, spec)
     looped = generate(graph, spec.model_copy(update={"epilogue_loop": True}))
     ast.parse(looped)

@@ -111,17 +111,19 @@ def _triton_space(in_dtype: str) -> list[Config]:
 
 
 def option_variants(cfg: Config) -> list[Config]:
-    """Round two: the template options (flattened tile loop, TMA stores, epilogue subtiles) on a
-    good tile. (gluon-hopper's `epilogue_loop` is not tried: it has not yet run on a GPU.)"""
-    if cfg.backend == "gluon-hopper":  # its subtiles are register slices: narrower ones cost no MMA width
+    """Round two: the template options (flattened tile loop, TMA stores, epilogue subtiles, and on
+    gluon-hopper the epilogue as one loop over its subtiles) on a good tile."""
+    gluon = cfg.backend == "gluon-hopper"
+    if gluon:  # its subtiles are register slices: narrower ones cost no MMA width
         subtiles = tuple(sub for sub in (2, 4, 8) if cfg.block_n // sub >= 16)
     else:
         subtiles = (1, 2) if cfg.block_n >= 128 else (1,)
-    flattens = (False,) if cfg.backend == "gluon-hopper" else (False, True)
+    flattens = (False,) if gluon else (False, True)
+    loops = (False, True) if gluon else (False,)
     return [
-        cfg.model_copy(update={"flatten": f, "tma_store": t, "subtile": sub})
-        for f, t, sub in itertools.product(flattens, (False, True), subtiles)
-        if (f, t, sub) != (cfg.flatten, cfg.tma_store, cfg.subtile)
+        cfg.model_copy(update={"flatten": f, "tma_store": t, "subtile": sub, "epilogue_loop": loop})
+        for f, t, sub, loop in itertools.product(flattens, (False, True), subtiles, loops)
+        if (f, t, sub, loop) != (cfg.flatten, cfg.tma_store, cfg.subtile, cfg.epilogue_loop)
     ]
 
 

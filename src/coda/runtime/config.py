@@ -169,8 +169,12 @@ def _gluon_default(graph: Graph, in_size: int) -> Config:
     The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
     spills in sm_90 compiles of the block's epilogues), 16 where that is what lets every Tile
     operand and tile output move through TMA beside the ring; none for reductions alone.
-    Wider reduction groups take wider subtiles (and 64-row tiles past 128 columns)."""
+    Wider reduction groups take wider subtiles (and 64-row tiles past 128 columns).
+    Epilogues that read or write width-2 tiles (the SwiGLU backward) run as one loop over the
+    subtiles: the H200 measured 2.18x -> 1.36x cuBLAS for it at D=2048, where rms_rope and the
+    RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md)."""
     need = min_block_n(graph)
+    loop = graph.uses_width(Fraction(2))
     if not any(isinstance(o, StoreOutput) for o in graph.outputs) and need <= 128:
         # reductions alone (an LM head's statistics): one subtile writes a quarter of the
         # partials, and nothing is staged
@@ -178,11 +182,11 @@ def _gluon_default(graph: Graph, in_size: int) -> Config:
     for subtile in (4, 8):
         block_n = max(128, need * subtile)
         cfg = Config(backend="gluon-hopper", block_m=128 if block_n <= 128 else 64, block_n=block_n, block_k=64,
-                     num_warps=4, num_stages=4, subtile=subtile)
+                     num_warps=4, num_stages=4, subtile=subtile, epilogue_loop=loop)
         if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
             return cfg
     return Config(backend="gluon-hopper", block_m=128 if need <= 32 else 64, block_n=max(128, need * 4), block_k=64,
-                  num_warps=4, num_stages=3, subtile=4)
+                  num_warps=4, num_stages=3, subtile=4, epilogue_loop=loop)
 
 
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:

@@ -1,5 +1,5 @@
-"""The block (TRANSFORMER.md 7) kernel by kernel on each backend, and the whole block against its
-speed of light and its peers (BENCH.md), in one process on the H200.
+"""The block (docs/ALGEBRA.md 7) kernel by kernel on each backend, and the whole block against its
+speed of light and its peers (the benchmark protocol in docs/DESIGN.md), in one process on the H200.
 
 rows:  every GEMM coda runs in one forward+backward of the block (native weights), recorded as it
        runs, then replayed alone on each backend ("gluon-hopper", "triton") and as the bare cuBLAS
@@ -247,9 +247,8 @@ def main() -> None:
 
     t0 = time.time()
     torch.manual_seed(0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit or os.environ.get("CODA_COMMIT", "unknown"), "python": platform.python_version(),
+            "commit": harness.commit(), "python": platform.python_version(),
             "autotune": os.environ.get("CODA_AUTOTUNE", "1"),
             "protocol": "do_bench median, bf16, M=8192; each kernel replayed alone on the operands the block gave "
                         "it (checked against the fp32 reference of its epilogue first); bare_gemm_ms = torch.matmul "

@@ -194,7 +194,7 @@ def main() -> None:
         launch_once(args.launch, args.m, args.d, args.f, args.k, args.config)
         return
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("CODA_COMMIT", "unknown"), "python": platform.python_version(),
+            "commit": harness.commit(), "python": platform.python_version(),
             "protocol": f"do_bench median, bf16, M={args.m}, D={args.d}, FFN={args.f}; each kernel checked against "
                         "its fp32 reference first; cuBLAS = torch.matmul of the same operands, timed in the same run"}
     # the epilogues alone first (K = 64: a tile's time is then its epilogue's, the consumers'

@@ -1,9 +1,9 @@
-"""The GEMM + forward-epilogue benchmark suite (BENCH.md protocol), on a GPU.
+"""The GEMM + forward-epilogue benchmark suite (the benchmark protocol in docs/DESIGN.md), on a GPU.
 
-Ops, each against its bare GEMM and its peers (variants named as in BENCH.md):
+Ops, each against its bare GEMM and its peers (variants named as in the benchmark protocol, docs/DESIGN.md):
   gemm          plain GEMM: cublas_gemm vs coda_gemm (square sweep and transformer shapes)
   rmsnorm_gemm  F.linear(F.rms_norm(x, g), W); coda applies rstd per row in the epilogue
-                (h = x*g and rstd come from the producer GEMM upstream, TRANSFORMER.md 1)
+                (h = x*g and rstd come from the producer GEMM upstream, docs/ALGEBRA.md 1)
   swiglu        silu(gate) * up of the gate/up GEMM; coda reads interleaved weights (pairs)
   rope          fused QKV GEMM + half-split RoPE on q and k (v unrotated); coda's weight rows
                 are pair-permuted, outputs are un-permuted for the correctness check only
@@ -55,7 +55,7 @@ def liger():
 
 def peers(op: str, shape, *, cublas, coda_gemm, eager, coda_fn, check, modes, liger_fn=None, liger_check=None,
           coda_check=None) -> None:
-    """One op's rows in BENCH.md order: its bare GEMMs, eager, compile, Liger, the fused kernel."""
+    """One op's rows in the protocol's order: its bare GEMMs, eager, compile, Liger, the fused kernel."""
     record(op, shape, "cublas_gemm", cublas)
     record(op, shape, "coda_gemm", coda_gemm)
     record(op, shape, "eager", eager, check)
@@ -243,7 +243,7 @@ def bench_lm_head_ce(coda, lg, m: int, d: int, vocab: int, modes: list[str]) -> 
 # -- reporting ---------------------------------------------------------------------------
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One record per (op, shape): ms per variant plus the BENCH.md ratios."""
+    """One record per (op, shape): ms per variant plus the protocol's ratios."""
     out = []
     for (op, m, n, k), v in by_shape(rows).items():
         c = fastest_compile(v)

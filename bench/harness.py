@@ -1,12 +1,25 @@
-"""What every GPU benchmark script here shares: check-then-time rows (BENCH.md protocol)."""
+"""What every GPU benchmark script here shares: check-then-time rows (the benchmark protocol in docs/DESIGN.md)."""
 
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 DEVICE = "cuda"  # where inputs are made (a CPU smoke run of a script may change it)
 ROWS: list[dict] = []  # {"op", "M", "N", "K", "variant", "ms", "tflops"}
 NOTES: list[str] = []  # variants that failed or were skipped, with why
+
+
+def commit() -> str:
+    """The commit measured: $CODA_COMMIT first (the device machine's copy of the tree carries a
+    stale .git, so its `git rev-parse` names an older commit), else this checkout's HEAD."""
+    if os.environ.get("CODA_COMMIT"):
+        return os.environ["CODA_COMMIT"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent)
+    return head.stdout.strip() or "unknown"
 
 
 def log(msg: str) -> None:
@@ -80,7 +93,7 @@ def by_shape(rows: list[dict]) -> dict[tuple, dict[str, float]]:
 
 
 def fastest_compile(variants: dict[str, float]) -> float | None:
-    """BENCH.md's compile: the faster of the torch.compile modes measured."""
+    """The benchmark protocol's compile: the faster of the torch.compile modes measured."""
     times = [t for name, t in variants.items() if name.startswith("compile_")]
     return min(times) if times else None
 

@@ -1,4 +1,4 @@
-"""coda.ops and the section-7 block on a GPU, forward and forward+backward (BENCH.md).
+"""coda.ops and the section-7 block on a GPU, forward and forward+backward (the benchmark protocol in docs/DESIGN.md).
 
 Per op and shape, variants:
   gemms    the op's bare cuBLAS GEMMs, each timed alone and summed (its speed of light)

@@ -116,7 +116,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("reliability_gpu.py runs on a CUDA GPU")
     torch.manual_seed(0)
-    result = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("CODA_COMMIT", "unknown"),
+    result = {"gpu": torch.cuda.get_device_name(), "commit": harness.commit(),
               "target_check": target_check(8192, 2048, 128256)}
     log(f"target check: {result['target_check']}")
     # untuned: 8 row counts, 6 programs; tuned: 2 programs at one shape, so 8 threads race for

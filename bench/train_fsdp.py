@@ -170,8 +170,10 @@ def train_sharded(args, gpu: bool) -> dict:
             "peak_kind": "max_memory_allocated" if gpu else "peak RSS"}
 
 
-def train_reference(args, world: int, gpu: bool) -> list[float]:
-    """The unsharded run (see the module docstring): per step, the mean of the ranks' losses."""
+def train_reference(args, world: int, gpu: bool) -> tuple[list[float], float]:
+    """The unsharded run (see the module docstring): per step, the mean of the ranks' losses, and
+    the median time of the timed steps (at world size 1 the same work as the sharded step, less
+    FSDP2's casts and collectives)."""
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
@@ -180,8 +182,10 @@ def train_reference(args, world: int, gpu: bool) -> list[float]:
     work.to_empty(device=device)
     work.train(master.training)
     opt = optimizer(args, master.parameters(), gpu)
-    losses = []
+    losses, times = [], []
     for step in range(args.warmup + args.steps):
+        sync(gpu)
+        t0 = time.perf_counter()
         with torch.no_grad():
             for w, p in zip(work.parameters(), master.parameters()):
                 w.copy_(p)
@@ -200,8 +204,11 @@ def train_reference(args, world: int, gpu: bool) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total.item() / world)
+        sync(gpu)
+        if step >= args.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
         log(f"reference step {step + 1}/{args.warmup + args.steps}: loss {losses[-1]:.4f}")
-    return losses
+    return losses, statistics.median(times)
 
 
 def markdown(data: dict) -> str:
@@ -223,7 +230,9 @@ def markdown(data: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if ref:
         lines += ["", f"Unsharded reference (rank 0 alone, the same init, batches and mixed precision): "
-                  f"max |loss - reference| = {ref['max_abs_diff']:.3g}."]
+                  f"max |loss - reference| = {ref['max_abs_diff']:.3g}"
+                  + (f"; its median step {ref['step_ms']:.1f} ms (all ranks' batches one after another)."
+                     if "step_ms" in ref else ".")]
     return "\n".join(lines) + "\n"
 
 
@@ -268,7 +277,9 @@ def main() -> None:
         return
     import triton
 
-    data = {"meta": {"torch": torch.__version__, "triton": triton.__version__, "coda": coda.__version__,
+    import harness
+
+    data = {"meta": {"commit": harness.commit(), "torch": torch.__version__, "triton": triton.__version__, "coda": coda.__version__,
                      "python": platform.python_version(),
                      "device": torch.cuda.get_device_name() if gpu else "cpu (gloo)", "model": args.model,
                      "layers": args.layers or MODELS[args.model]["num_hidden_layers"], "batch": args.batch,
@@ -277,8 +288,8 @@ def main() -> None:
                      "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")},
             "result": result}
     if args.reference:
-        losses = train_reference(args, world, gpu)
-        data["reference"] = {"losses": losses, "max_abs_diff": max(
+        losses, ref_ms = train_reference(args, world, gpu)
+        data["reference"] = {"losses": losses, "step_ms": ref_ms, "max_abs_diff": max(
             abs(a - s["loss"]) for a, s in zip(losses, result["steps"]))}
         log(f"reference: max |loss - reference| = {data['reference']['max_abs_diff']:.3g}")
     args.out.mkdir(parents=True, exist_ok=True)

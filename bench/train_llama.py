@@ -248,7 +248,9 @@ def drive(args) -> None:
 def meta(args) -> dict:
     import torch
 
-    info = {"torch": torch.__version__, "python": platform.python_version(),
+    import harness
+
+    info = {"torch": torch.__version__, "python": platform.python_version(), "commit": harness.commit(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
             "protocol": f"bf16 parameters, fused AdamW (lr {args.lr}), synthetic tokens (labels = inputs); "
                         f"{args.warmup} warm-up steps, median of {args.steps} timed steps (CUDA events; wall clock on the CPU); peak = "

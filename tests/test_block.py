@@ -1,4 +1,4 @@
-"""The TRANSFORMER.md section-7 segment (4 fused GEMMs forward, fused backward) against a
+"""The docs/ALGEBRA.md section-7 segment (4 fused GEMMs forward, fused backward) against a
 plain PyTorch block in the standard layout: outputs and every gradient."""
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_linear_cross_entropy_errors(call, exc: type, match: str) -> None:
 # -- the backward epilogues' algebra ------------------------------------------------------------
 
 def test_zdz_identity_and_swiglu_backward_epilogue() -> None:
-    """sum_j y_j gq_j == sum_k z_k dz_k (TRANSFORMER.md 5), and the SwiGLU-backward epilogues
+    """sum_j y_j gq_j == sum_k z_k dz_k (docs/ALGEBRA.md 5), and the SwiGLU-backward epilogues
     give autograd's dz, the recomputed y and (the _zdz one) zdz = sum(z * dz)."""
     m, f, d = 11, 12, 16
     z = torch.randn(m, 2 * f, device=DEVICE)

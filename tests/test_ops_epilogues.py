@@ -1,4 +1,4 @@
-"""Each TRANSFORMER.md epilogue of coda.ops.epilogues against standard-layout PyTorch
+"""Each docs/ALGEBRA.md epilogue of coda.ops.epilogues against standard-layout PyTorch
 (autograd where it is a gradient), in fp32 with accumulation-derived tolerances."""
 
 from __future__ import annotations

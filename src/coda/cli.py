@@ -1,7 +1,7 @@
 """The `coda` command: `demo` (a fused RMSNorm + SwiGLU GEMM pair, checked and, on a GPU,
 timed) and `tune` (pre-tune epilogues for given shapes).
 
-It runs TRANSFORMER.md sections 1-2 on one MLP input: a producer GEMM (the
+It runs docs/ALGEBRA.md sections 1-2 on one MLP input: a producer GEMM (the
 attention output projection) whose epilogue adds the residual, stores h = x * g and
 the per-row sum of squares; then the gate/up GEMM whose epilogue applies the RMSNorm
 row scale and SwiGLU. It prints the IR, compares against both the fp32 oracle and an

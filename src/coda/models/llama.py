@@ -1,6 +1,6 @@
 """coda.models.LlamaForCausalLM: a Llama-family decoder whose blocks run as coda's fused GEMMs.
 
-The residual stream is cut at shifted boundaries (TRANSFORMER.md 7): `first_segment` runs from the
+The residual stream is cut at shifted boundaries (docs/ALGEBRA.md 7): `first_segment` runs from the
 embedding to layer 0's QKV projection, `block_segment` from layer l's attention output to layer
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.

@@ -1,4 +1,4 @@
-"""One Llama-style block with shifted boundaries (TRANSFORMER.md 7), forward and backward.
+"""One Llama-style block with shifted boundaries (docs/ALGEBRA.md 7), forward and backward.
 
 The segment runs from after layer l's attention to layer l+1's QKV projection:
 

@@ -1,4 +1,4 @@
-"""The two ends of a model built from shifted-boundary blocks (TRANSFORMER.md 7):
+"""The two ends of a model built from shifted-boundary blocks (docs/ALGEBRA.md 7):
 
 * `first_segment`: from the embedding to layer 0's QKV projection. Nothing upstream can give the
   first norm its statistics, so one row pass (`rms_prep`) takes rstd and h = x * rstd * g, then the fused

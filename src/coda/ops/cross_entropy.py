@@ -1,7 +1,7 @@
 """linear_cross_entropy(x, W, target) = F.cross_entropy(F.linear(x, W).float(), target).
 
 Without gradients: the LM-head GEMM's epilogue writes per-tile logsumexp and the target
-logit (TRANSFORMER.md 4) of the logits rounded to x.dtype, as F.linear would store them, and
+logit (docs/ALGEBRA.md 4) of the logits rounded to x.dtype, as F.linear would store them, and
 nothing of [tokens, vocab] size is stored.
 
 With gradients the logits must be stored for backward anyway, and then a plain GEMM storing

@@ -1,4 +1,4 @@
-"""The Transformer epilogues of TRANSFORMER.md, one per fused unit, forward and backward.
+"""The Transformer epilogues of docs/ALGEBRA.md, one per fused unit, forward and backward.
 
 Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference checkable
 (`.reference`). Statistics are fp32 (reductions always are; vector operands are passed fp32).

@@ -1,5 +1,5 @@
 """Weight-layout helpers: the free permutations that turn SwiGLU and RoPE into pair
-transforms (TRANSFORMER.md sections 2-3), each with its exact inverse."""
+transforms (docs/ALGEBRA.md sections 2-3), each with its exact inverse."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Forward: one row pass gives rstd and h = x*rstd*g (the norm's output, rounded once to
 x.dtype as F.rms_norm stores it), then a plain GEMM h @ W.T. (In a block the producer GEMM's
 epilogue writes h = x*g before rstd is known and the consumer scales rows in its epilogue,
-TRANSFORMER.md 1; standalone, the row pass knows rstd, and x*g alone can overflow fp16.)
+docs/ALGEBRA.md 1; standalone, the row pass knows rstd, and x*g alone can overflow fp16.)
 Backward: one GEMM dy @ W whose epilogue gives u = r*g*gq, the normalized input, the row
 term zdz = sum_j y_j gq_j and dg partials (section 5; dy comes from the caller, so zdz is
 reduced here rather than where dy was made), a row pass dx = u - r^2 * x * zdz / D, then

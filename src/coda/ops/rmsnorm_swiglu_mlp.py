@@ -2,7 +2,7 @@
 the MLP behind it (Llama's post-attention norm + MLP), with the norm inside the GEMMs.
 
 Forward: one row pass (rstd, h = x*rstd*g, F.rms_norm's output: x*g alone can overflow fp16),
-the gate/up GEMM applying SwiGLU in its epilogue (TRANSFORMER.md 2), the down GEMM. Backward: the SwiGLU-backward GEMM also reduces the
+the gate/up GEMM applying SwiGLU in its epilogue (docs/ALGEBRA.md 2), the down GEMM. Backward: the SwiGLU-backward GEMM also reduces the
 norm's row term zdz (section 6), so the RMSNorm-backward GEMM gives dx directly (section 5).
 """
 

@@ -1,7 +1,7 @@
 """swiglu_mlp(x, W_gate, W_up, W_down) = F.linear(silu(x W_gate^T) * (x W_up^T), W_down).
 
 Forward: one gate/up GEMM over interleaved weight rows whose epilogue stores the
-pre-activation z and y = silu(gate) * up (TRANSFORMER.md 2), then the down GEMM.
+pre-activation z and y = silu(gate) * up (docs/ALGEBRA.md 2), then the down GEMM.
 Backward: d = dY @ W_down with the SwiGLU-backward epilogue (section 6: dz, recomputed y),
 then plain GEMMs for dW_down, dx and dW_gate/up.
 """

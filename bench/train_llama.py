@@ -26,6 +26,8 @@ the files of several device calls into one table (bench/results/train_llama.{jso
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import importlib.metadata
 import json
 import os
 import platform
@@ -130,10 +132,14 @@ def run_variant(args) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
     data = batches(MODELS[args.model]["vocab_size"], batch, seq, device)
 
+    grad_norms: list[float] = []
+
     def step(i: int) -> float:
         ids = data[i % len(data)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if args.loss_curve:  # the gradient's size per step tells a bad update from a bad forward
+            grad_norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params]))))
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -142,6 +148,7 @@ def run_variant(args) -> dict:
     row = {"model": args.model, "seq": seq, "batch": batch, "variant": args.variant, "layers": layers}
     if args.loss_curve:
         row["losses"] = [float(step(i)) for i in range(args.loss_curve)]
+        row["grad_norms"] = grad_norms
         return row
     for i in range(args.warmup):
         step(i)
@@ -192,12 +199,14 @@ def breakdown(step) -> dict[str, float]:
 def spawn(args, model: str, shape: str, variant: str, loss_curve: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--shape", shape, "--variant", variant,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
-           "--loss-curve", str(loss_curve), "--layers", str(args.layers)] + (["--tiny"] if args.tiny else []) + \
+           "--loss-curve", str(loss_curve), "--layers", str(args.layers), "--timeout", str(args.timeout)] + (["--tiny"] if args.tiny else []) + \
           (["--no-breakdown"] if not args.breakdown else [])
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:  # the worker dumped its stacks first (faulthandler)
+        stacks = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        sys.stderr.write(stacks[-6000:])
         return {"error": f"timed out after {args.timeout} s"}
     sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
     for line in proc.stdout.splitlines():
@@ -256,10 +265,13 @@ def meta(args) -> dict:
                         f"{args.warmup} warm-up steps, median of {args.steps} timed steps (CUDA events; wall clock on the CPU); peak = "
                         "max_memory_allocated over the timed steps; breakdown = one profiled step's kernel time; "
                         "each variant in its own process"}
-    for mod in ("transformers", "triton", "liger_kernel", "coda"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - not installed / no version
+    import coda
+
+    info["coda"] = coda.__version__
+    for mod, dist in (("transformers", "transformers"), ("triton", "triton"), ("liger_kernel", "liger-kernel")):
+        try:  # by distribution: liger_kernel has no __version__
+            info[mod] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             info[mod] = None
     return info
 
@@ -358,7 +370,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.merge:
         return merge(args)
-    if args.worker:
+    if args.worker:  # where it is, should the driver's timeout come (a compile that never ends)
+        faulthandler.dump_traceback_later(max(args.timeout - 10, 1), exit=False)
         print("ROW " + json.dumps(run_variant(args)), flush=True)
         return
     if args.tiny and "--steps" not in sys.argv:

@@ -83,6 +83,28 @@ def test_layout_errors(call, match: str) -> None:
         call()
 
 
+# -- rmsnorm -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead,d", [((2, 9), 24), ((37,), 32), ((1,), 8)])  # runs of rows per program, ragged
+def test_rmsnorm(dtype: torch.dtype, lead: tuple[int, ...], d: int) -> None:
+    d = scale(d, 64 * d)
+    x, g = leaf(*lead, d, dtype=dtype, s=3.0), leaf(d, dtype=dtype)
+    y = coda.ops.rmsnorm(x, g, eps=1e-5)
+    ref = F.rms_norm(x, (d,), g, 1e-5)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    close(y, ref, dtype, d, "y")
+    dy = torch.randn_like(ref)
+    for name, a, b in zip("xg", grads(y, (x, g), dy), grads(ref, (x, g), dy)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        close(a, b, dtype, max(d, math.prod(lead)), f"d{name}")
+
+
+def test_rmsnorm_checks_shapes() -> None:
+    with pytest.raises(ValueError, match=r"must be \[..., D\] and \[D\]"):
+        coda.ops.rmsnorm(torch.zeros(4, 8), torch.zeros(7))
+
+
 # -- rmsnorm_linear ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -231,22 +253,22 @@ def test_zdz_identity_and_swiglu_backward_epilogue() -> None:
 
 @pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
 def test_fullgraph_compile_parity() -> None:
-    """All three ops trace into one graph (custom ops with fake kernels) and give the same results."""
+    """The ops trace into one graph (custom ops with fake kernels) and give the same results."""
     torch._dynamo.reset()
     x = leaf(2, 5, 16, dtype=torch.float32)
     g, w = leaf(16, dtype=torch.float32), leaf(24, 16, dtype=torch.float32)
     wg, wu, wd = leaf(12, 24, dtype=torch.float32), leaf(12, 24, dtype=torch.float32), leaf(24, 12, dtype=torch.float32)
-    wv = leaf(30, 24, dtype=torch.float32)
+    wv, g2 = leaf(30, 24, dtype=torch.float32), leaf(24, dtype=torch.float32)
     t = torch.randint(0, 30, (2, 5), device=DEVICE)
 
     def block(x):
         h = coda.ops.rmsnorm_linear(x, g, w)
-        h = h + coda.ops.swiglu_mlp(h, wg, wu, wd)
+        h = h + coda.ops.swiglu_mlp(coda.ops.rmsnorm(h, g2), wg, wu, wd)
         return coda.ops.linear_cross_entropy(h, wv, t)
 
     eager = block(x)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if not GPU else "inductor")(x)
     torch.testing.assert_close(compiled, eager)
-    params = (x, g, w, wg, wu, wd, wv)
+    params = (x, g, w, g2, wg, wu, wd, wv)
     for a, b in zip(grads(compiled, params), grads(eager, params)):
         torch.testing.assert_close(a, b)

@@ -44,7 +44,7 @@ def test_patched_model_trains_like_the_unpatched_one(kind: str) -> None:
     model = copy.deepcopy(ref)
     names, sd = [n for n, _ in ref.named_parameters()], ref.state_dict()
     assert coda.patch(model) is model
-    assert len(model.coda_patched) == SHAPE["num_hidden_layers"] + 2
+    assert len(model.coda_patched) == 2 * SHAPE["num_hidden_layers"] + 2
     assert [n for n, _ in model.named_parameters()] == names
     assert list(model.state_dict()) == list(sd) and all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
     ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)

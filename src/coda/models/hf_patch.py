@@ -8,11 +8,13 @@ same process is untouched. The modules and parameters stay where they are: param
 What runs through coda:
 * each decoder layer's post-attention RMSNorm + MLP: `coda.ops.rmsnorm_swiglu_mlp` (the norm's
   forward passes its input through; the MLP applies the norm with the norm's own weight and eps);
+* each decoder layer's input RMSNorm: `coda.ops.rmsnorm` (two row passes, forward and backward;
+  its output feeds HF's three separate q/k/v projections, so it cannot move into one GEMM);
 * the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
   materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
-What stays HF's: the input norm + q/k/v projections (three separate projections inside HF's
-attention: fusing them would copy the weights on every call), RoPE and attention.
+What stays HF's: the q/k/v projections (three separate projections inside HF's attention, which
+coda does not rewrite), RoPE and attention.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.rmsnorm import rmsnorm
 from ..ops.rmsnorm_linear import rmsnorm_linear
 from ..ops.rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
 
@@ -35,6 +38,10 @@ SUPPORTED = ("llama", "mistral")
 
 def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
+
+
+def _input_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rmsnorm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -117,6 +124,8 @@ def patch(model: nn.Module) -> nn.Module:
         return model
     swapped = []
     for i, layer in enumerate(model.model.layers):
+        layer.input_layernorm.forward = types.MethodType(_input_norm, layer.input_layernorm)
+        swapped += [f"model.layers.{i}.input_layernorm -> coda.ops.rmsnorm"]
         norm, mlp = layer.post_attention_layernorm, layer.mlp
         norm.forward = types.MethodType(_passthrough, norm)
         object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay

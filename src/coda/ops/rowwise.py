@@ -5,6 +5,8 @@ need a statistic of a whole row first). One program per row; the row lies in one
 * `rms_prep`: rstd and h = x * rstd * g (the norm's output) for a standalone RMSNorm in
   front of a GEMM;
 * `rms_input_grad`: dx = u - rstd^2 * zdz / D * x, the RMSNorm backward's row correction;
+* `rms_backward`: a standalone RMSNorm's whole backward, dx per row and dg partials per program
+  (its dy comes from a GEMM coda does not run, so no epilogue can reduce for it);
 * `cross_entropy_`: per-row logsumexp and target logit of stored logits, which it turns into
   (softmax - onehot) * scale in place;
 * `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row.
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import interpreting
+from ..runtime.device import num_programs
 from ..templates.jit_helpers import _bf16_rne, _trig
 
 
@@ -53,6 +56,30 @@ def _rms_input_grad_kernel(u_ptr, x_ptr, c_ptr, dx_ptr, D, stride_u, stride_x, s
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row)
     tl.store(dx_ptr + row * stride_dx + cols, _cast(u - c * x, OUT, RNE), mask=mask)
+
+
+@triton.jit
+def _rms_backward_kernel(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, D, ROWS, stride_dy, stride_x, stride_g,
+                         stride_dx, BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    # Rows [pid * ROWS, (pid + 1) * ROWS): dx = r * (g dy - xhat * sum(g dy xhat) / D) with
+    # xhat = r x, and this program's share of dg = sum over rows of dy * xhat, in fp32.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    g = tl.load(g_ptr + cols * stride_g, mask=mask, other=0.0).to(tl.float32)
+    dg = tl.zeros((BLOCK,), tl.float32)
+    for i in range(0, ROWS):
+        row = pid.to(tl.int64) * ROWS + i
+        live = mask & (row < M)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+        r = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
+        xhat = x * r
+        gdy = g * dy
+        c = tl.sum(gdy * xhat, axis=0) / D
+        tl.store(dx_ptr + row * stride_dx + cols, _cast(r * (gdy - xhat * c), OUT, RNE), mask=live)
+        dg += dy * xhat
+    tl.store(dg_ptr + pid * D + cols, dg, mask=mask)
 
 
 @triton.jit
@@ -155,6 +182,31 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
         _rms_input_grad_kernel[(m,)](u, x, c, dx, d, u.stride(0), x.stride(0), dx.stride(0),
                                      BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
     return dx
+
+
+def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x.dtype, dg fp32) of h = F.rms_norm(x, g) given dy = dL/dh and rstd per row.
+    dg is summed from per-program partials (a few hundred programs, each over a run of rows),
+    in a fixed order: deterministic."""
+    dy, x = _rows(dy, "rms_backward: dy"), _rows(x, "rms_backward: x")
+    m, d = x.shape
+    if dy.shape != x.shape:
+        raise ValueError(f"rms_backward: dy {list(dy.shape)} and x {list(x.shape)} must have one shape")
+    if norm_weight.shape != (d,):
+        raise ValueError(f"rms_backward: norm_weight must have shape [{d}], got {list(norm_weight.shape)}")
+    rstd = _vector(rstd, m, "rms_backward: rstd")
+    programs = max(1, min(m, 4 * num_programs(x.device)))
+    rows = -(-m // programs) if m else 0
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    partial = torch.empty(programs, d, device=x.device, dtype=torch.float32)
+    if m:
+        _rms_backward_kernel[(programs,)](dy, x, norm_weight, rstd, dx, partial, m, d, rows, dy.stride(0), x.stride(0),
+                                          norm_weight.stride(0), dx.stride(0), BLOCK=triton.next_power_of_2(d),
+                                          **_out_args(x.dtype))
+    else:
+        partial.zero_()
+    return dx, partial.sum(0)
 
 
 def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

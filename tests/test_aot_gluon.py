@@ -257,8 +257,8 @@ SPILLS: dict[str, tuple[int, int]] = {
     "rmsnorm_backward": (4, 4),                 # 181384
     "rmsnorm_backward_residual": (16, 16),      # 197768
     "rmsnorm_backward_rowterm": (308, 308),     # 181384
-    "swiglu_backward": (0, 0),                  # 213384
-    "swiglu_backward_zdz": (156, 156),          # 213384
+    "swiglu_backward": (0, 0),                  # 213384, the epilogue as a loop (its default)
+    "swiglu_backward_zdz": (0, 0),              # 213384, the epilogue as a loop (its default)
 }
 
 

@@ -36,7 +36,7 @@ from coda.runtime.config import (GLUON_CONSUMERS, HOPPER_SMEM_BYTES, Config, def
 from coda.runtime.launch import PLAIN
 from coda.runtime.specialize import make_spec, spec_fields
 from coda.runtime.validate import validate
-from conftest import GPU
+from conftest import DEVICE, GPU
 from test_properties import Program, programs
 
 cpu_only = pytest.mark.skipif(GPU, reason="checks the choice made without a GPU (Triton's interpreter)")
@@ -217,6 +217,51 @@ def test_unknown_backend_setting_raises_naming_the_variable(monkeypatch: pytest.
         coda.gemm(a, b)
     with pytest.raises(ValueError, match="CODA_BACKEND.*'nonsense'"):
         coda.gemm(a, b, E.row_scale, rstd=torch.rand(32, device=device))
+
+
+# -- determinism: a race shows as a difference between launches ------------------------------------
+
+def _random_operands(graph, m: int, n: int) -> dict[str, object]:
+    """Block-like operands on the device: Tile operands bf16, vectors fp32 and positive (they
+    include rstd), targets in [0, n), positions 0..m-1."""
+    ops: dict[str, object] = {}
+    for name, t in _zeros(graph, block_dtypes(graph), m, n).items():
+        if not isinstance(t, torch.Tensor):
+            ops[name] = t
+        elif name == "target":
+            ops[name] = torch.randint(0, n, t.shape, device=DEVICE)
+        elif name == "pos":
+            ops[name] = torch.arange(m, device=DEVICE)
+        elif t.dtype == torch.float32:
+            ops[name] = torch.rand(t.shape, device=DEVICE) + 0.5
+        else:
+            ops[name] = torch.randn(t.shape, device=DEVICE).to(t.dtype)
+    return ops
+
+
+@pytest.mark.parametrize("backend", ["gluon-hopper", "triton"] if GPU else ["triton"])
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+def test_block_epilogues_are_deterministic(name: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same inputs launched again give bitwise the same outputs. Reductions are fixed-order
+    partials and nothing is atomic, so a difference is a race: a staging buffer, ring slot or
+    accumulator reused before its last reader finished. Short K and more tiles than consumers
+    (on the GPU) keep the epilogues back to back, where such races live."""
+    monkeypatch.setenv("CODA_BACKEND", backend)
+    torch.manual_seed(0)
+    m, n, k = (4096, 2048, 128) if GPU else (64, 64, 32)
+    graph = EPILOGUES[name].graph
+    a = torch.randn(m, k, device=DEVICE).bfloat16()
+    b = (torch.randn(n, k, device=DEVICE) * k**-0.5).bfloat16().T
+    ops = _random_operands(graph, m, n)
+    assert EPILOGUES[name].source(a, b, **ops).startswith(f"# coda backend: {backend}")
+    first = coda.gemm(a, b, EPILOGUES[name], **ops)
+    first = first if isinstance(first, dict) else {"out": first}
+    for launch in range(20 if GPU else 2):
+        again = coda.gemm(a, b, EPILOGUES[name], **ops)
+        again = again if isinstance(again, dict) else {"out": again}
+        for key, t in first.items():
+            same = (again[key] == t) | (again[key].isnan() & t.isnan())
+            assert bool(same.all()), f"{name} on {backend}: output {key} differs at launch {launch + 2}"
 
 
 # -- cache keys fail closed ------------------------------------------------------------------------

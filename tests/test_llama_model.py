@@ -73,7 +73,7 @@ def test_loss_and_every_gradient_match_hf_in_fp32(tied: bool, rope: dict | None,
 
 
 def test_training_steps_track_hf_in_fp32() -> None:
-    """Several AdamW steps at a large learning rate: every loss, and the weights after, match HF's.
+    """Several AdamW steps at a large learning rate: every loss, and each weight's update, match HF's.
     A single step's gradients can be right while something carried between steps (a cached
     derived weight, a layout set up once) is not."""
     hf = hf_llama(tied=True)

@@ -197,7 +197,7 @@ def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
         raise ValueError(f"rms_backward: norm_weight must have shape [{d}], got {list(norm_weight.shape)}")
     rstd = _vector(rstd, m, "rms_backward: rstd")
     programs = max(1, min(m, 4 * num_programs(x.device)))
-    rows = -(-m // programs) if m else 0
+    rows = triton.cdiv(m, programs)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     partial = torch.empty(programs, d, device=x.device, dtype=torch.float32)
     if m:

@@ -7,7 +7,8 @@ Variants (each measured in its own process: patching libraries change classes gl
   coda          coda.models.LlamaForCausalLM.from_hf (native layouts, logits never materialized)
   coda_compile  torch.compile(fullgraph=True) of it
   coda_patch    coda.patch on the HF model
-  (coda_checkpoint: coda with activation checkpointing per layer; not in the default list)
+  (not in the default list: coda_checkpoint, coda with activation checkpointing per layer;
+   coda_triton, coda with every GEMM on the Triton backend, CODA_BACKEND=triton)
 Step: forward, backward, fused AdamW (bf16 parameters, synthetic tokens, labels = inputs). Per
 variant: warm-up steps, then the median of timed steps (CUDA events; wall clock on the CPU), peak memory
 (max_memory_allocated over the timed steps: weights, AdamW state, activations), and a
@@ -16,6 +17,7 @@ torch.profiler breakdown of one step's kernel time into GEMMs / attention / ever
     python bench/train_llama.py --out DIR                           # all models, shapes, variants (GPU)
     python bench/train_llama.py --out DIR --models 1b --shapes 2x4096 --variants coda,hf_eager
     python bench/train_llama.py --out DIR --loss-curve 100          # coda vs hf_eager from one init
+    python bench/train_llama.py --out DIR --loss-curve 100 --variants hf_eager,coda,coda_triton
     python bench/train_llama.py --tiny --out DIR                    # CPU smoke: a tiny model, every variant
     python bench/train_llama.py --merge A/train_llama.json B/train_llama.json --out bench/results --note "..."
 
@@ -79,6 +81,8 @@ def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0
     import torch
     import transformers
 
+    if variant == "coda_triton":  # read per call by coda's runtime: set before the first GEMM
+        os.environ["CODA_BACKEND"] = "triton"
     torch.manual_seed(seed)
     shape = dict(MODELS[model_name])
     if layers:
@@ -103,6 +107,8 @@ def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0
         return hf
     if variant == "coda_patch":
         return coda.patch(hf)
+    if variant not in ("coda", "coda_compile", "coda_checkpoint", "coda_triton"):
+        raise ValueError(f"unknown variant {variant!r}")
     model = coda.models.LlamaForCausalLM.from_hf(hf, checkpoint=variant == "coda_checkpoint")
     del hf
     if variant == "coda_compile":
@@ -234,11 +240,11 @@ def drive(args) -> None:
     jobs = []
     if args.loss_curve:
         model, shape = models[0], (args.shapes.split(",")[0] if args.shapes else SHAPES[models[0]][0])
-        jobs = [(model, shape, v, args.loss_curve) for v in ("hf_eager", "coda")]
+        jobs = [(model, shape, v, args.loss_curve) for v in (args.variants or "hf_eager,coda").split(",")]
     else:
         for model in models:
             for shape in (args.shapes.split(",") if args.shapes else SHAPES[model]):
-                jobs += [(model, shape, v, 0) for v in args.variants.split(",")]
+                jobs += [(model, shape, v, 0) for v in (args.variants or ",".join(VARIANTS)).split(",")]
     for model, shape, variant, curve in jobs:
         row = spawn(args, model, shape, variant, curve)
         if "error" in row:
@@ -351,7 +357,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--models", default="1b,8b")
     ap.add_argument("--shapes", help="batch x seq, e.g. 2x4096,4x8192 (default: per model)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", help=f"default: {','.join(VARIANTS)}; with --loss-curve, hf_eager,coda")
     ap.add_argument("--layers", type=int, default=0, help="override the models' layer count (8b: 8 by default)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

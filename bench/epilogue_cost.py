@@ -8,6 +8,7 @@ SwiGLU backward, two halves of its epilogue (its loads alone, its stores alone) 
 one costs. Every kernel is checked against its fp32 reference before it is timed.
 
     python bench/epilogue_cost.py --out DIR
+    python bench/epilogue_cost.py --out DIR --cases residual_norm_stats --configs "sub4 e2 b1" --ks 64,2048,8192
     python bench/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results/epilogue_cost --name NAME
 """
 
@@ -118,7 +119,10 @@ def launch_once(name: str, m: int, d: int, f: int, k: int | None, label: str) ->
     log(f"{name} K={k} {label}: checked (rel. error {err:.2e}) and launched 3 times")
 
 
-def measure(m: int, d: int, f: int, cases: list[str], labels: list[str], k: int | None = None) -> list[dict]:
+def measure(m: int, d: int, f: int, cases: list[str], labels: list[str], k: int | None = None,
+            plain: bool = False) -> list[dict]:
+    """Rows of (case, config) timings; with `plain`, also coda's plain GEMM of the same operands
+    under each config (config label '<label> plain'): the fused kernel less its epilogue."""
     rows = []
     for name in cases:
         ep, a, b, ops = _case(name, m, d, f, k)
@@ -126,13 +130,15 @@ def measure(m: int, d: int, f: int, cases: list[str], labels: list[str], k: int 
         shape = [a.shape[0], b.shape[1], a.shape[1]]
         bare = harness.timed(lambda: torch.matmul(a, b))
         ref = gemm_reference(graph, a, b, ops)
-        for label in labels:
-            if ep is None and label != labels[0]:
-                continue
+        runs = [(label, graph, ops, ref) for label in (labels if ep is not None else labels[:1])]
+        if plain and ep is not None:
+            plain_ref = gemm_reference(launch.PLAIN, a, b, {})
+            runs += [(f"{label} plain", launch.PLAIN, {}, plain_ref) for label in labels if label != "triton"]
+        for label, g, o, r in runs:
             try:
-                cfg = _config(label)
-                fn = lambda: launch.run(graph, a, b, ops, config=cfg)  # noqa: E731
-                err = gemm_error(fn(), ref)
+                cfg = _config(label.removesuffix(" plain"))
+                fn = lambda: launch.run(g, a, b, o, config=cfg)  # noqa: E731
+                err = gemm_error(fn(), r)
                 if not err < 2e-2:
                     raise AssertionError(f"error {err:.3g} vs the fp32 reference")
                 ms = harness.timed(fn)
@@ -172,6 +178,8 @@ def main() -> None:
     ap.add_argument("--config", default="sub4 e2 b1", help="--launch: a CONFIGS label or 'triton'")
     ap.add_argument("--k", type=int, help="--launch: the GEMM's K (default: the block's)")
     ap.add_argument("--configs", help="comma-separated labels of CONFIGS")
+    ap.add_argument("--ks", help="instead of the block's K: each case at each of these K (comma-separated), beside "
+                                 "coda's plain GEMM under the same configs (does the epilogue hide behind a longer K loop?)")
     ap.add_argument("--name", default="epilogue_cost", help="--merge: the result files' name")
     ap.add_argument("--merge", type=Path, help="write <out>/epilogue_cost.{json,md} from a measured JSON")
     args = ap.parse_args()
@@ -202,9 +210,12 @@ def main() -> None:
     cases = args.cases.split(",") if args.cases else CASES
     labels = args.configs.split(",") if args.configs else list(CONFIGS)
     rows = []
-    if args.alone != "no":
+    if args.ks:
+        for k in (int(v) for v in args.ks.split(",")):
+            rows += measure(args.m, args.d, args.f, cases, labels, k=k, plain=True)
+    elif args.alone != "no":
         rows += measure(args.m, args.d, args.f, cases, labels + ["triton"], k=64)
-    if args.alone != "only":
+    if args.alone != "only" and not args.ks:
         rows += measure(args.m, args.d, args.f, cases, labels)
     data = {"meta": meta, "rows": rows, "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,11 @@ CONFIGS = {
     "sub4 loop": dict(subtile=4, epilogue_loop=True),
     "sub8 loop": dict(subtile=8, epilogue_loop=True),
     "sub4 e2 ptr-stores": dict(subtile=4, tma_store=False),
+    # the K loop's side: a deeper operand ring (latency of operands that miss L2), tile order
+    "sub4 st5": dict(subtile=4, num_stages=5),
+    "sub4 st6": dict(subtile=4, num_stages=6),
+    "sub4 g4": dict(subtile=4, group_m=4),
+    "sub4 g16": dict(subtile=4, group_m=16),
 }
 
 

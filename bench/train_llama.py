@@ -8,7 +8,8 @@ Variants (each measured in its own process: patching libraries change classes gl
   coda_compile  torch.compile(fullgraph=True) of it
   coda_patch    coda.patch on the HF model
   (not in the default list: coda_checkpoint, coda with activation checkpointing per layer;
-   coda_triton, coda with every GEMM on the Triton backend, CODA_BACKEND=triton)
+   coda_triton, coda with every GEMM on the Triton backend, CODA_BACKEND=triton;
+   hf_fp32, the HF model with its bf16-initialized weights in fp32: the loss curve's reference)
 Step: forward, backward, fused AdamW (bf16 parameters, synthetic tokens, labels = inputs). Per
 variant: warm-up steps, then the median of timed steps (CUDA events; wall clock on the CPU), peak memory
 (max_memory_allocated over the timed steps: weights, AdamW state, activations), and a
@@ -18,6 +19,7 @@ torch.profiler breakdown of one step's kernel time into GEMMs / attention / ever
     python bench/train_llama.py --out DIR --models 1b --shapes 2x4096 --variants coda,hf_eager
     python bench/train_llama.py --out DIR --loss-curve 100          # coda vs hf_eager from one init
     python bench/train_llama.py --out DIR --loss-curve 100 --variants hf_eager,coda,coda_triton
+    python bench/train_llama.py --out DIR --loss-curve 100 --clip 1.0 --variants hf_eager,hf_liger,coda
     python bench/train_llama.py --tiny --out DIR                    # CPU smoke: a tiny model, every variant
     python bench/train_llama.py --merge A/train_llama.json B/train_llama.json --out bench/results --note "..."
 
@@ -95,6 +97,8 @@ def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if variant == "hf_fp32":  # the same (bf16-rounded) weights, trained in fp32
+        return hf.float()
     compile_backend = "eager" if device == "cpu" else "inductor"  # the CPU smoke run checks the wiring only
     if variant == "hf_eager":
         return hf
@@ -126,6 +130,29 @@ def batches(vocab: int, batch: int, seq: int, device: str, count: int = 4):
     return [torch.cat([h, h], 1)[:, :seq].to(device) for h in half]
 
 
+def watchdog(timeout: int) -> None:
+    """Before the driver's timeout, print where the main thread is: every thread's innermost
+    frames (faulthandler, also when the GIL is held), then the main thread's outermost ones
+    (a deep recursion hides them from faulthandler's 100 frames), last, so that they survive
+    the driver's trimming of stderr to its tail."""
+    import threading
+    import traceback
+
+    main = threading.main_thread().ident
+    faulthandler.dump_traceback_later(max(timeout - 20, 1), exit=False)
+
+    def outer() -> None:
+        frame = sys._current_frames().get(main)
+        if frame is not None:
+            stack = traceback.format_stack(frame)
+            sys.stderr.write(f"[watchdog] main thread, outermost 30 of {len(stack)} frames:\n" + "".join(stack[:30]))
+            sys.stderr.flush()
+
+    timer = threading.Timer(max(timeout - 10, 1), outer)
+    timer.daemon = True
+    timer.start()
+
+
 def run_variant(args) -> dict:
     import torch
 
@@ -144,7 +171,9 @@ def run_variant(args) -> dict:
         ids = data[i % len(data)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if args.loss_curve:  # the gradient's size per step tells a bad update from a bad forward
+        if args.clip:  # the total norm before clipping
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, args.clip)))
+        elif args.loss_curve:  # the gradient's size per step tells a bad update from a bad forward
             grad_norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params]))))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -152,6 +181,8 @@ def run_variant(args) -> dict:
 
     layers = args.layers or MODELS[args.model]["num_hidden_layers"]
     row = {"model": args.model, "seq": seq, "batch": batch, "variant": args.variant, "layers": layers}
+    if args.clip:
+        row["clip"] = args.clip
     if args.loss_curve:
         row["losses"] = [float(step(i)) for i in range(args.loss_curve)]
         row["grad_norms"] = grad_norms
@@ -205,12 +236,13 @@ def breakdown(step) -> dict[str, float]:
 def spawn(args, model: str, shape: str, variant: str, loss_curve: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--shape", shape, "--variant", variant,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
-           "--loss-curve", str(loss_curve), "--layers", str(args.layers), "--timeout", str(args.timeout)] + (["--tiny"] if args.tiny else []) + \
+           "--loss-curve", str(loss_curve), "--layers", str(args.layers), "--timeout", str(args.timeout),
+           "--clip", str(args.clip)] + (["--tiny"] if args.tiny else []) + \
           (["--no-breakdown"] if not args.breakdown else [])
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as exc:  # the worker dumped its stacks first (faulthandler)
+    except subprocess.TimeoutExpired as exc:  # the worker dumped its stack first (see watchdog)
         stacks = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
         sys.stderr.write(stacks[-6000:])
         return {"error": f"timed out after {args.timeout} s"}
@@ -227,7 +259,7 @@ def spawn(args, model: str, shape: str, variant: str, loss_curve: int = 0) -> di
 
 
 def key(row: dict) -> tuple:
-    return row["model"], row["seq"], row["batch"], row["variant"], "losses" in row
+    return row["model"], row["seq"], row["batch"], row["variant"], "losses" in row, row.get("clip", 0.0)
 
 
 def drive(args) -> None:
@@ -300,6 +332,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def curve_table(rows: list[dict]) -> list[str]:
+    """Each loss curve's distance to hf_eager's (and to hf_fp32's, where measured) over their common
+    steps, per clipping setting: the curves of two correct bf16 implementations differ too, so
+    hf_liger's distance is the yardstick for coda's."""
+    curves = [r for r in rows if "losses" in r]
+    md = []
+    for clip in sorted({r.get("clip", 0.0) for r in curves}):
+        group = {r["variant"]: r for r in curves if r.get("clip", 0.0) == clip}
+        refs = [v for v in ("hf_eager", "hf_fp32") if v in group]
+        if not refs:
+            continue
+        md += [f"Loss curves, {'no clipping' if not clip else f'gradient norm clipped to {clip}'}: |variant - reference| "
+               "per step (mean over steps 1-20 / all steps / max), last step's loss, largest gradient norm.", "",
+               "| variant | steps | " + " | ".join(f"vs {r}" for r in refs) + " | last loss | max grad norm |",
+               "|---|---|" + "---|" * len(refs) + "---|---|"]
+        for v, r in group.items():
+            cells = []
+            for ref in refs:
+                d = [abs(a - b) for a, b in zip(r["losses"], group[ref]["losses"])]
+                cells.append(f"{sum(d[:20]) / len(d[:20]):.4f} / {sum(d) / len(d):.4f} / {max(d):.4f}")
+            md.append(f"| {v} | {len(r['losses'])} | " + " | ".join(cells) +
+                      f" | {r['losses'][-1]:.4f} | {max(r.get('grad_norms') or [float('nan')]):.2f} |")
+        md.append("")
+    return md
+
+
 def plot_losses(rows: list[dict], path: Path) -> bool:
     curves = [r for r in rows if "losses" in r]
     if not curves:
@@ -312,12 +370,16 @@ def plot_losses(rows: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in curves:
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['variant']} ({r['model']}, {r['batch']}x{r['seq']})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
+    clips = sorted({r.get("clip", 0.0) for r in curves})
+    fig, axes = plt.subplots(1, len(clips), figsize=(7 * len(clips), 4), squeeze=False)
+    for ax, clip in zip(axes[0], clips):
+        for r in curves:
+            if r.get("clip", 0.0) == clip:
+                ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['variant']} ({r['model']}, {r['batch']}x{r['seq']})")
+        ax.set_title("no clipping" if not clip else f"gradient norm clipped to {clip}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -340,11 +402,7 @@ def merge(args) -> None:
     md = ["# train_llama", "", f"{m['gpu']}, torch {m['torch']}, transformers {m.get('transformers')}, "
           f"triton {m.get('triton')}, Liger {m.get('liger_kernel')}.", "", m["protocol"], "",
           *([args.note, ""] if args.note else []), table(data["rows"]), ""]
-    curves = {r["variant"]: r["losses"] for r in data["rows"] if "losses" in r}
-    if {"coda", "hf_eager"} <= set(curves):
-        diffs = [abs(a - b) for a, b in zip(curves["coda"], curves["hf_eager"])]
-        md += [f"Loss curve ({len(diffs)} steps, one init, fixed data): max |coda - hf_eager| = {max(diffs):.4f}, "
-               f"final {curves['coda'][-1]:.4f} vs {curves['hf_eager'][-1]:.4f}.", ""]
+    md += curve_table(data["rows"])
     if plot_losses(data["rows"], args.out / "train_llama.png"):
         md += ["![loss curves](train_llama.png)", ""]
     md += [f"* {n}" for n in data.get("notes", [])]
@@ -365,6 +423,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=540, help="seconds per variant process")
     ap.add_argument("--loss-curve", type=int, default=0, metavar="STEPS", help="coda vs hf_eager losses instead")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip the gradient's total norm to this (0: no clipping)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model (every variant, 1+1 steps)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
     ap.add_argument("--merge", type=Path, nargs="+", help="write <out>/train_llama.{json,md,png} from measured JSONs")
@@ -377,7 +436,7 @@ def main() -> None:
     if args.merge:
         return merge(args)
     if args.worker:  # where it is, should the driver's timeout come (a compile that never ends)
-        faulthandler.dump_traceback_later(max(args.timeout - 10, 1), exit=False)
+        watchdog(args.timeout)
         print("ROW " + json.dumps(run_variant(args)), flush=True)
         return
     if args.tiny and "--steps" not in sys.argv:

@@ -344,7 +344,7 @@ def curve_table(rows: list[dict]) -> list[str]:
         if not refs:
             continue
         md += [f"Loss curves, {'no clipping' if not clip else f'gradient norm clipped to {clip}'}: |variant - reference| "
-               "per step (mean over steps 1-20 / all steps / max), last step's loss, largest gradient norm.", "",
+               "per step over the steps both ran (mean over the first 20 / mean over all / max), last step's loss, largest gradient norm.", "",
                "| variant | steps | " + " | ".join(f"vs {r}" for r in refs) + " | last loss | max grad norm |",
                "|---|---|" + "---|" * len(refs) + "---|---|"]
         for v, r in group.items():

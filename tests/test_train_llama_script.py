@@ -32,20 +32,28 @@ def run(*args: str) -> None:
 def test_tiny_run_writes_the_issue_rows(tmp_path: Path) -> None:
     run("--tiny", "--variants", "coda_compile,hf_liger", "--warmup", "0", "--out", str(tmp_path))
     run("--tiny", "--loss-curve", "2", "--out", str(tmp_path))
+    run("--tiny", "--loss-curve", "2", "--clip", "1.0", "--variants", "hf_fp32,coda", "--out", str(tmp_path))
     data = json.loads((tmp_path / "train_llama.json").read_text())
     timed = [r for r in data["rows"] if "step_ms" in r]
     assert {r["variant"] for r in timed} == {"coda_compile"}
     for r in timed:
         assert {"model", "seq", "batch", "variant", "step_ms", "tokens_per_s", "peak_mem_gib"} <= set(r)
         assert (r["model"], r["batch"], r["seq"]) == ("tiny", 2, 8) and r["tokens_per_s"] > 0
-    curves = {r["variant"]: r["losses"] for r in data["rows"] if "losses" in r}
+    curves = {r["variant"]: r["losses"] for r in data["rows"] if "losses" in r and "clip" not in r}
     assert set(curves) == {"hf_eager", "coda"} and all(len(c) == 2 for c in curves.values())
     assert abs(curves["coda"][0] - curves["hf_eager"][0]) < 0.05  # one init, bf16
+    clipped = {r["variant"]: r for r in data["rows"] if r.get("clip") == 1.0}
+    assert set(clipped) == {"hf_fp32", "coda"}  # the clipped curves sit beside the unclipped ones
+    assert all(len(r["losses"]) == len(r["grad_norms"]) == 2 for r in clipped.values())
+    assert abs(clipped["coda"]["losses"][0] - clipped["hf_fp32"]["losses"][0]) < 0.05  # same weights, fp32 vs bf16
     assert any(n.startswith("tiny 2x8 hf_liger:") for n in data["notes"])
     out = tmp_path / "results"
     run("--merge", str(tmp_path / "train_llama.json"), "--out", str(out), "--note", "smoke")
     md = (out / "train_llama.md").read_text()
-    assert "| tiny (2 layers) | 2 x 8 | coda_compile |" in md and "Loss curve (2 steps" in md and "smoke" in md
+    assert "| tiny (2 layers) | 2 x 8 | coda_compile |" in md and "smoke" in md
+    no_clip, clip = md.split("Loss curves, no clipping")[1].split("Loss curves, gradient norm clipped to 1.0")
+    assert "| coda | 2 | " in no_clip and "| hf_eager | 2 | 0.0000 / 0.0000 / 0.0000 |" in no_clip
+    assert "vs hf_fp32" in clip and "| hf_fp32 | 2 | 0.0000 / 0.0000 / 0.0000 |" in clip
 
 
 def test_kernel_categories() -> None:

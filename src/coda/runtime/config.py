@@ -70,8 +70,8 @@ class Config(BaseModel):
     epi_stages: int = Field(default=2, ge=1, le=8)
     store_buffers: int = Field(default=1, ge=1, le=2)
     # gluon-hopper only: run the epilogue as one loop over its subtiles instead of one copy a
-    # subtile (a third of the code, and no spills, in sm_90 compiles of the SwiGLU backward).
-    # Compiled on CPU only so far: not yet run on a GPU, so neither a default nor tuned
+    # subtile (a third of the code, and no spills, in sm_90 compiles of the SwiGLU backward):
+    # the default for width-2 epilogues (`_gluon_default`), tried both ways by the tuner
     epilogue_loop: bool = False
 
     @field_validator("num_warps")

@@ -132,9 +132,9 @@ def batches(vocab: int, batch: int, seq: int, device: str, count: int = 4):
 
 def watchdog(timeout: int) -> None:
     """Before the driver's timeout, print where the main thread is: every thread's innermost
-    frames (faulthandler, also when the GIL is held), then the main thread's outermost ones
-    (a deep recursion hides them from faulthandler's 100 frames), last, so that they survive
-    the driver's trimming of stderr to its tail."""
+    frames (faulthandler, also when the GIL is held), then the main thread's outermost ones down
+    to where a recursion starts (a deep recursion hides them from faulthandler's 100 frames),
+    last, so that they survive the driver's trimming of stderr to its tail."""
     import threading
     import traceback
 
@@ -145,7 +145,17 @@ def watchdog(timeout: int) -> None:
         frame = sys._current_frames().get(main)
         if frame is not None:
             stack = traceback.format_stack(frame)
-            sys.stderr.write(f"[watchdog] main thread, outermost 30 of {len(stack)} frames:\n" + "".join(stack[:30]))
+            # down to a recursion: the first line met for the 4th time (nested module calls
+            # repeat a line two or three times), with the recursion's first turns
+            seen: dict[str, int] = {}
+            end = len(stack)
+            for i, entry in enumerate(stack):
+                where = entry.splitlines()[0]
+                seen[where] = seen.get(where, 0) + 1
+                if seen[where] == 4:
+                    end = i + 1
+                    break
+            sys.stderr.write(f"[watchdog] main thread, outermost {end} of {len(stack)} stack entries:\n" + "".join(stack[:end]))
             sys.stderr.flush()
 
     timer = threading.Timer(max(timeout - 10, 1), outer)

@@ -29,6 +29,7 @@ and DIR/train_fsdp.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -272,6 +273,12 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     result = train_sharded(args, gpu)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # The sharded model and its optimizer are freed here, while the process group and the
+    # interpreter are alive: FSDP's modules hold reference cycles (hooks), which only the
+    # collector frees, and a gloo work object left to interpreter shutdown aborted a rank
+    # ("terminate called without an active exception") in one CPU run.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()  # the reference runs on rank 0 alone, without collectives
     if rank != 0:
         return

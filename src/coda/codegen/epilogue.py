@@ -75,6 +75,7 @@ class EpilogueEmitter:
         self.dtype: dict[int, str] = {}  # "f32" | "int" | "bool"
         self.row_loads: list[str] = []  # Scalar and VecM operands: once per tile
         self.loads: list[str] = []  # the rest: once per subtile
+        self.col_loads: dict[str, str] = {}  # of those, the VecN operands': value -> expression
         self.body: list[str] = []
         self._splits: dict[int, tuple[str, str]] = {}
         self._widened: dict[tuple[int, Fraction], str] = {}
@@ -165,8 +166,10 @@ class EpilogueEmitter:
                     continue
                 expr, dtype = self._load_operand(node)
                 name = f"v{nid}"
-                per_row = self.kinds[node.name].kind in (Kind.SCALAR, Kind.VEC_M)
-                (self.row_loads if per_row else self.loads).append(f"{name} = {expr}")
+                kind = self.kinds[node.name].kind
+                (self.row_loads if kind in (Kind.SCALAR, Kind.VEC_M) else self.loads).append(f"{name} = {expr}")
+                if kind == Kind.VEC_N:
+                    self.col_loads[name] = expr
                 self.var[nid], self.dtype[nid] = name, dtype
             elif isinstance(node, ConstNode):
                 self.var[nid], self.dtype[nid] = _literal(node.value, self.ns), "f32"

@@ -3,7 +3,8 @@
 The epilogue body is the shared emitter's, in the Gluon dialect. What this module adds is the
 backend's own plumbing: the accumulator's split into epilogue subtiles, the layouts of half- and
 double-width values, the Tile-operand ring (slot waits and releases around the epilogue's
-loads), staging buffers for TMA stores, and the partition list.
+loads), staging buffers for TMA stores, the partition list, and (`early_loads`) the epilogue's
+first vector loads moved ahead, to be in flight while the tile's last MMAs drain.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def generate(graph: Graph, spec: Specialization) -> str:
                   "    mbarrier.init(e_empty.index(i), count=1)"]
 
     sub = spec.subtile
+    loop = spec.epilogue_loop and sub > 1
+    # early_loads in an unrolled epilogue: subtile 0's VecN operands are loaded with the row
+    # operands, into <value>_s0. (Loading every subtile's, or each one subtile ahead, spilled
+    # 72-300 bytes more in sm_90 compiles of the block's epilogues: more live vectors.)
+    early_cols = list(emitter.col_loads.items()) if spec.early_loads and not loop else []
 
     def subtile(h: str) -> list[str]:
         """The epilogue of subtile `h` (a literal index, or the loop's variable)."""
@@ -103,16 +109,20 @@ def generate(graph: Graph, spec: Specialization) -> str:
         if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
             lines.append(f"s_buf = CID * STAGE_BUFS + ((local // 2) * SUBTILE + {h}) % STAGE_BUFS")
         lines += columns
+        loads = emitter.loads
+        if early_cols and h == "0":  # loaded with the row operands
+            lines += [f"{name} = {name}_s0" for name, _ in early_cols]
+            loads = [line for line in loads if line.split(" = ", 1)[0] not in emitter.col_loads]
         if tiles:  # this subtile's slot of the Tile-operand ring
             lines += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",
                       "mbarrier.wait(e_ready.index(e_slot), (e_count // E_STAGES) & 1)"]
-        lines += emitter.loads
+        lines += loads
         if tiles:  # the values are in registers: the slot goes back to the epilogue loader
             lines += ["fence_async_shared()", "mbarrier.arrive(e_empty.index(e_slot), count=1)"]
         return lines + emitter.body + stores + reductions
 
     epilogue: list[str] = []
-    if spec.epilogue_loop and sub > 1:
+    if loop:
         # one copy of the code: the loop picks its subtile from the registers by selects
         pick = "acc_0"
         for h in range(1, sub):
@@ -136,6 +146,15 @@ def generate(graph: Graph, spec: Specialization) -> str:
         warps, regs = ", 1", ", 40"
 
     rows = ["rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
+    early = ["# (the epilogue's vector operands are loaded where they are used)"]
+    if spec.early_loads:
+        early = ["offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)", "mask_m = offs_m < M"] + rows + emitter.row_loads
+        if early_cols:
+            early += ["off_n = pid_n * BLOCK_N", "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)",
+                      "mask_n = offs_n < N"] + columns + [f"{name}_s0 = {expr}" for name, expr in early_cols]
+        rows, row_loads = ["# (rows: with the early loads)"], ["# (row operands: with the early loads)"]
+    else:
+        row_loads = emitter.row_loads
     return fill({
         "kernel_name": kernel_name(graph),
         "epilogue_name": comment_name(graph),
@@ -146,8 +165,9 @@ def generate(graph: Graph, spec: Specialization) -> str:
         "alloc": "\n".join(alloc),
         "layouts": "\n".join(_layouts(graph)),
         "subtiles": "\n".join(_subtiles(sub)),
+        "early_loads": "\n".join(early),
         "rows": "\n".join(rows),
-        "row_loads": "\n".join(emitter.row_loads),
+        "row_loads": "\n".join(row_loads),
         "epilogue": "\n".join(epilogue),
         "epilogue_loader": loader,
         "epilogue_loader_partition": partition,

@@ -97,10 +97,11 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
         raise RuntimeError("compile_hopper needs a process started with TRITON_INTERPRET=0")
     if spec.interpret:
         raise ValueError("compile_hopper needs a specialization with interpret=False")
-    if (spec.subtile, spec.backend, spec.epilogue_loop) != (cfg.subtile, cfg.backend, cfg.epilogue_loop):
-        raise ValueError(f"compile_hopper: the specialization has subtile={spec.subtile}, backend {spec.backend} "
-                         f"and epilogue_loop={spec.epilogue_loop}, the config {cfg.subtile}, {cfg.backend} and "
-                         f"{cfg.epilogue_loop}")
+    fields = ("subtile", "backend", "epilogue_loop", "early_loads")
+    if any(getattr(spec, f) != getattr(cfg, f) for f in fields):
+        raise ValueError("compile_hopper: the specialization and the config differ in "
+                         + ", ".join(f"{f} ({getattr(spec, f)} vs {getattr(cfg, f)})" for f in fields
+                                     if getattr(spec, f) != getattr(cfg, f)))
     check_config(graph, cfg)
     key = kernel_key(graph, spec)
     path = cache_dir() / "kernels" / f"coda_{key}.py"

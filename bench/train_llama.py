@@ -96,7 +96,15 @@ def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0
     cfg = transformers.LlamaConfig(**shape, max_position_embeddings=131072)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        hf = transformers.LlamaForCausalLM(cfg)
+    # `.to(bfloat16)` would also round the rotary embedding's inv_freq buffer to bf16: RoPE angles
+    # off by up to pos * 2**-9 radians (whole turns at pos 4096), a different function from the
+    # fp32-frequency RoPE that coda computes from the config. Kept in fp32, as computed.
+    freqs = {name: buf.clone() for name, buf in hf.named_buffers() if name.endswith("inv_freq")}
+    hf = hf.to(torch.bfloat16)
+    for name, buf in freqs.items():
+        owner, attr = hf.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        setattr(owner, attr, buf)
     if variant == "hf_fp32":  # the same (bf16-rounded) weights, trained in fp32
         return hf.float()
     compile_backend = "eager" if device == "cpu" else "inductor"  # the CPU smoke run checks the wiring only

@@ -76,8 +76,8 @@ class Config(BaseModel):
     # gluon-hopper only: load the epilogue's row (VecM, Scalar) operands and, in an unrolled
     # epilogue, the first subtile's column (VecN) operands as soon as the tile's last MMA is
     # issued, so that their latency overlaps the MMAs draining and the wait for the epilogue's
-    # turn (ncu found these epilogues waiting on global loads). Compiled on CPU only so far: not yet run on
-    # a GPU, so neither a default nor tuned.
+    # turn (ncu found these epilogues waiting on global loads). Compiled for sm_90 only so far,
+    # not yet run on a GPU: neither a default nor tuned.
     early_loads: bool = False
 
     @field_validator("num_warps")

@@ -151,7 +151,7 @@ WORKER = textwrap.dedent('''
             exec(req["source"], namespace)
             graph = coda.epilogue(namespace["random_epilogue"]).graph
             return compile_call(graph, req["in_dtype"], req["dtypes"], req["a_col"], req["b_col"], k=req["k"],
-                                n=req["n"])
+                                n=req["n"], config=req.get("config"))
         raise ValueError(f"unknown request {req!r}")
 
 
@@ -374,17 +374,17 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 @settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(program=programs(64, 64, 32), in_dtype=st.sampled_from(["bfloat16", "bfloat16", "float16", "float32"]),
-       a_col=st.booleans(), b_col=st.booleans(), k=st.sampled_from([64, 128, 36]))
+       a_col=st.booleans(), b_col=st.booleans(), k=st.sampled_from([64, 128, 36]), early=st.booleans())
 def test_random_program_compiles_or_is_refused(worker: Worker, program: Program, in_dtype: str, a_col: bool,
-                                               b_col: bool, k: int) -> None:
+                                               b_col: bool, k: int, early: bool) -> None:
     """Compiles with wgmma within shared memory, or gluon-hopper's `unsupported` gives a reason
     (fp32 a/b; a/b that TMA cannot read: K = 36 leaves a row-major a or a column-major b
-    unaligned) and `generate` refuses with it."""
+    unaligned) and `generate` refuses with it; with or without Config.early_loads."""
     source = program.source()
     note(source)
     dtypes = {p.name: DTYPE_NAMES[p.dtype] for p in program.params}
     result = worker.ask(op="program", source=source, dtypes=dtypes, in_dtype=in_dtype, a_col=a_col, b_col=b_col,
-                        k=k, n=256)
+                        k=k, n=256, config={"early_loads": early})
     note(json.dumps(result))
     worker.results[f"random program {sum(key.startswith('random') for key in worker.results)}"] = {**result, "source": source}
     k_ok = k * 2 % 16 == 0  # the K-major row pitch of a row-major a and a column-major b (bf16/fp16)

@@ -2,7 +2,8 @@
 # Where a gluon-hopper epilogue's time goes, by Nsight Compute (on the H200 machines: ncu reads the
 # hardware counters there with --clock-control none). Profiles one launch of one epilogue_cost case
 # per config (after 2 warm-up launches): warp stall reasons, issue and instruction statistics,
-# each as a .ncu-rep and a CSV under $OUT.
+# and per-instruction stall sampling, each as a .ncu-rep and CSVs under $OUT; prints each stall
+# reason's share and the SASS instructions with the most stall samples (bench/ncu_summary.py).
 #   bash bench/ncu_epilogue.sh [CASE] [K] [CONFIG ...]
 #   e.g. bash bench/ncu_epilogue.sh swiglu_backward_zdz 64 "sub4 e2 b1" "sub4 loop" triton
 set -uo pipefail
@@ -22,10 +23,14 @@ export PYTHONPATH=${PYTHONPATH:-}:$PWD/src:$PWD/bench CODA_AUTOTUNE=0
 for cfg in "${configs[@]}"; do
   tag=$(echo "$case_name-k$k-$cfg" | tr ' ' '_')
   ncu --clock-control none --target-processes all -k regex:coda_ --launch-skip 2 --launch-count 1 \
-      --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section SourceCounters \
       -o "$OUT/$tag" -f python3 bench/epilogue_cost.py --launch "$case_name" --k "$k" --config "$cfg" \
       > "$OUT/$tag.log" 2>&1
   ncu --import "$OUT/$tag.ncu-rep" --csv --page details > "$OUT/$tag.csv" 2>>"$OUT/$tag.log"
-  echo "== $tag"; grep -iE "stall|issued|executed ipc|duration" "$OUT/$tag.csv" | head -30
+  ncu --import "$OUT/$tag.ncu-rep" --csv --page raw > "$OUT/$tag.raw.csv" 2>>"$OUT/$tag.log"
+  ncu --import "$OUT/$tag.ncu-rep" --csv --page source --print-source sass > "$OUT/$tag.sass.csv" 2>>"$OUT/$tag.log"
+  echo "== $tag"; grep -iE "issued|executed ipc|duration" "$OUT/$tag.csv" | head -12
+  python3 bench/ncu_summary.py "$OUT/$tag.raw.csv" "$OUT/$tag.sass.csv"
 done

@@ -105,3 +105,19 @@ def test_block_kernels_script(cpu_harness) -> None:
         assert len(refused) == 12 and all("interpreter" in n for n in refused)
     md = bk.table({"rows": rows, "block": [{"D": 64, "variant": "coda", "ms": 1.0}]})
     assert "| 64 | fwd1:rms_swiglu | [40, 96, 64] |" in md and "| 64 | coda | 1.000 | - |" in md
+
+
+def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
+    """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
+    row, not-issued twins of each stall metric, columns found by name)."""
+    import ncu_summary
+
+    raw = [["ID", "Kernel Name", "smsp__pcsamp_warps_issue_stalled_long_scoreboard",
+            "smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued", "smsp__pcsamp_warps_issue_stalled_barrier"],
+           ["", "", "", "", ""], ["0", "coda_x", "3,000", "2,900", "1,000"]]
+    assert ncu_summary.stall_shares(raw) == [("long_scoreboard", 0.75), ("barrier", 0.25)]
+    assert ncu_summary.stall_shares(raw[:2]) == []  # no kernel row: nothing, not a guess
+    source = [["# Address", "Source", "Warp Stall Sampling (All Samples)"], ["0x10", "LDG.E R2, [R4.64]", "1,234"],
+              ["0x20", "FFMA R1, R2, R3, R1", "12"], ["0x30", "BAR.SYNC 0x0", "456"]]
+    assert ncu_summary.hot_instructions(source, top=2) == [("LDG.E R2, [R4.64]", 1234.0), ("BAR.SYNC 0x0", 456.0)]
+    assert ncu_summary.hot_instructions([["# Address", "Source"], ["0x10", "NOP"]]) == []

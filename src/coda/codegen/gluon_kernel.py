@@ -100,10 +100,14 @@ def generate(graph: Graph, spec: Specialization) -> str:
     # 72-300 bytes more in sm_90 compiles of the block's epilogues: more live vectors.)
     early_cols = list(emitter.col_loads.items()) if spec.early_loads and not loop else []
 
+    def subtile_columns(h: str) -> list[str]:
+        """off_n, offs_n, mask_n of subtile `h`."""
+        return ["off_n = pid_n * BLOCK_N" + ("" if h == "0" else f" + {h} * EPI_N"),
+                "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
+
     def subtile(h: str) -> list[str]:
         """The epilogue of subtile `h` (a literal index, or the loop's variable)."""
-        lines = ["off_n = pid_n * BLOCK_N" + ("" if h == "0" else f" + {h} * EPI_N"),
-                 "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
+        lines = subtile_columns(h)
         if partials_n(graph):
             lines.append(f"part_n = pid_n * {sub} + {h}")
         if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
@@ -145,13 +149,13 @@ def generate(graph: Graph, spec: Specialization) -> str:
                      "BLOCK_N, GROUP_M, NUM_SMS, EPI_N, E_STAGES)),")
         warps, regs = ", 1", ", 40"
 
-    rows = ["rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
+    rows = ["offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)", "mask_m = offs_m < M",
+            "rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
     early = ["# (the epilogue's vector operands are loaded where they are used)"]
     if spec.early_loads:
-        early = ["offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)", "mask_m = offs_m < M"] + rows + emitter.row_loads
+        early = rows + emitter.row_loads
         if early_cols:
-            early += ["off_n = pid_n * BLOCK_N", "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)",
-                      "mask_n = offs_n < N"] + columns + [f"{name}_s0 = {expr}" for name, expr in early_cols]
+            early += subtile_columns("0") + columns + [f"{name}_s0 = {expr}" for name, expr in early_cols]
         rows, row_loads = ["# (rows: with the early loads)"], ["# (row operands: with the early loads)"]
     else:
         row_loads = emitter.row_loads

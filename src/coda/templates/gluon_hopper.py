@@ -125,8 +125,6 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, eturn,
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES), count=1, pred=k_tiles > 0)
         mbarrier.wait(eturn.index(CID), turn_phase)
         <<subtiles>>
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)
-        mask_m = offs_m < M
         <<rows>>
         <<row_loads>>
         <<epilogue>>

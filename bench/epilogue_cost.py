@@ -96,9 +96,6 @@ CONFIGS = {
     "sub4 st6": dict(subtile=4, num_stages=6),
     "sub4 g4": dict(subtile=4, group_m=4),
     "sub4 g16": dict(subtile=4, group_m=16),
-    # the row operands and the first subtile's column operands loaded while the last MMAs drain
-    "sub4 early": dict(subtile=4, early_loads=True),
-    "sub4 loop early": dict(subtile=4, epilogue_loop=True, early_loads=True),
 }
 
 

@@ -324,39 +324,6 @@ def test_epilogue_loop_compiles(worker: Worker, name: str) -> None:
     assert stores <= LOOP_SPILLS[name][0] and loads <= LOOP_SPILLS[name][1], (name, result["spill_bytes"])
 
 
-# sm_90 spill bytes with Config.early_loads (the row operands and the first subtile's column
-# operands loaded while the tile's last MMAs drain), measured when this test was written; as for
-# SPILLS (no more than without it). The SwiGLU backward runs as a loop (its default): only row
-# operands would move, and it has none.
-EARLY_SPILLS = {"rmsnorm_backward_residual": (16, 16), "residual_norm_stats": (0, 0), "rms_rope": (0, 0),
-                "rms_swiglu": (0, 0), "swiglu_backward_zdz": (0, 0)}
-
-
-@pytest.mark.parametrize("name", sorted(EARLY_SPILLS))
-def test_early_loads_compile(worker: Worker, name: str) -> None:
-    result = worker.results[f"{name} early"] = worker.ask(op="epilogue", name=name, a_col=False, b_col=True,
-                                                          config={"early_loads": True})
-    _check_compiled(f"{name} (early loads)", result)
-    stores, loads = result["spill_bytes"]
-    assert stores <= EARLY_SPILLS[name][0] and loads <= EARLY_SPILLS[name][1], (name, result["spill_bytes"])
-
-
-def test_early_loads_move_the_first_vector_loads_ahead() -> None:
-    """With early_loads the row operands and subtile 0's column operand are loaded before the
-    consumer waits for its epilogue turn (the other subtiles' where they are used); without,
-    every one where it is used, after the turn."""
-    graph = _by_name("rmsnorm_backward_residual").graph  # VecM rstd, zdz_over_d; VecN norm_weight (v3)
-    for early in (False, True):
-        spec = hopper_spec(graph, backend="gluon-hopper", subtile=4).model_copy(update={"early_loads": early})
-        src = generate(graph, spec)
-        turn = src.index("mbarrier.wait(eturn.index(CID)")
-        loads = [(m.group(1), m.start()) for m in re.finditer(r"(\w+) = gl\.load\(in_(?:rstd|zdz_over_d|norm_weight)_ptr", src)]
-        assert len(loads) == 2 + 4, src  # two row operands, the column operand once per subtile
-        before = sorted(name for name, at in loads if at < turn)
-        assert before == (["v3_s0", "v4", "v5"] if early else []), src
-        assert ("v3 = v3_s0" in src) == early
-
-
 def test_int32_positions_compile(worker: Worker) -> None:
     result = worker.results["rope pos int32"] = worker.ask(op="epilogue", name="rope", pos_dtype="int32",
                                                            a_col=False, b_col=True)
@@ -374,17 +341,17 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 @settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(program=programs(64, 64, 32), in_dtype=st.sampled_from(["bfloat16", "bfloat16", "float16", "float32"]),
-       a_col=st.booleans(), b_col=st.booleans(), k=st.sampled_from([64, 128, 36]), early=st.booleans())
+       a_col=st.booleans(), b_col=st.booleans(), k=st.sampled_from([64, 128, 36]))
 def test_random_program_compiles_or_is_refused(worker: Worker, program: Program, in_dtype: str, a_col: bool,
-                                               b_col: bool, k: int, early: bool) -> None:
+                                               b_col: bool, k: int) -> None:
     """Compiles with wgmma within shared memory, or gluon-hopper's `unsupported` gives a reason
     (fp32 a/b; a/b that TMA cannot read: K = 36 leaves a row-major a or a column-major b
-    unaligned) and `generate` refuses with it; with or without Config.early_loads."""
+    unaligned) and `generate` refuses with it."""
     source = program.source()
     note(source)
     dtypes = {p.name: DTYPE_NAMES[p.dtype] for p in program.params}
     result = worker.ask(op="program", source=source, dtypes=dtypes, in_dtype=in_dtype, a_col=a_col, b_col=b_col,
-                        k=k, n=256, config={"early_loads": early})
+                        k=k, n=256)
     note(json.dumps(result))
     worker.results[f"random program {sum(key.startswith('random') for key in worker.results)}"] = {**result, "source": source}
     k_ok = k * 2 % 16 == 0  # the K-major row pitch of a row-major a and a column-major b (bf16/fp16)

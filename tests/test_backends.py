@@ -330,8 +330,7 @@ def test_config_refuses_impossible_gluon_configs(change: dict, words: str) -> No
     Config(**{**GOOD, **change, "backend": "triton"})  # the same tile is fine for Triton
 
 
-@pytest.mark.parametrize("change", [{"epi_stages": 4}, {"store_buffers": 2}, {"epilogue_loop": True},
-                                    {"early_loads": True}])
+@pytest.mark.parametrize("change", [{"epi_stages": 4}, {"store_buffers": 2}, {"epilogue_loop": True}])
 def test_epilogue_pipelining_options_are_gluon_only(change: dict) -> None:
     assert Config(**{**GOOD, **change}).model_dump()[next(iter(change))] == next(iter(change.values()))
     with pytest.raises(ValueError, match="gluon-hopper options"):

@@ -75,7 +75,6 @@ class EpilogueEmitter:
         self.dtype: dict[int, str] = {}  # "f32" | "int" | "bool"
         self.row_loads: list[str] = []  # Scalar and VecM operands: once per tile
         self.loads: list[str] = []  # the rest: once per subtile
-        self.col_loads: dict[str, str] = {}  # of those, the VecN operands': value -> expression
         self.body: list[str] = []
         self._splits: dict[int, tuple[str, str]] = {}
         self._widened: dict[tuple[int, Fraction], str] = {}
@@ -168,8 +167,6 @@ class EpilogueEmitter:
                 name = f"v{nid}"
                 kind = self.kinds[node.name].kind
                 (self.row_loads if kind in (Kind.SCALAR, Kind.VEC_M) else self.loads).append(f"{name} = {expr}")
-                if kind == Kind.VEC_N:
-                    self.col_loads[name] = expr
                 self.var[nid], self.dtype[nid] = name, dtype
             elif isinstance(node, ConstNode):
                 self.var[nid], self.dtype[nid] = _literal(node.value, self.ns), "f32"

@@ -3,8 +3,7 @@
 The epilogue body is the shared emitter's, in the Gluon dialect. What this module adds is the
 backend's own plumbing: the accumulator's split into epilogue subtiles, the layouts of half- and
 double-width values, the Tile-operand ring (slot waits and releases around the epilogue's
-loads), staging buffers for TMA stores, the partition list, and (`early_loads`) the epilogue's
-first vector loads moved ahead, to be in flight while the tile's last MMAs drain.
+loads), staging buffers for TMA stores and the partition list.
 """
 
 from __future__ import annotations
@@ -95,10 +94,6 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     sub = spec.subtile
     loop = spec.epilogue_loop and sub > 1
-    # early_loads in an unrolled epilogue: subtile 0's VecN operands are loaded with the row
-    # operands, into <value>_s0. (Loading every subtile's, or each one subtile ahead, spilled
-    # 72-300 bytes more in sm_90 compiles of the block's epilogues: more live vectors.)
-    early_cols = list(emitter.col_loads.items()) if spec.early_loads and not loop else []
 
     def subtile_columns(h: str) -> list[str]:
         """off_n, offs_n, mask_n of subtile `h`."""
@@ -113,14 +108,10 @@ def generate(graph: Graph, spec: Specialization) -> str:
         if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
             lines.append(f"s_buf = CID * STAGE_BUFS + ((local // 2) * SUBTILE + {h}) % STAGE_BUFS")
         lines += columns
-        loads = emitter.loads
-        if early_cols and h == "0":  # loaded with the row operands
-            lines += [f"{name} = {name}_s0" for name, _ in early_cols]
-            loads = [line for line in loads if line.split(" = ", 1)[0] not in emitter.col_loads]
         if tiles:  # this subtile's slot of the Tile-operand ring
             lines += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",
                       "mbarrier.wait(e_ready.index(e_slot), (e_count // E_STAGES) & 1)"]
-        lines += loads
+        lines += emitter.loads
         if tiles:  # the values are in registers: the slot goes back to the epilogue loader
             lines += ["fence_async_shared()", "mbarrier.arrive(e_empty.index(e_slot), count=1)"]
         return lines + emitter.body + stores + reductions
@@ -151,14 +142,6 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     rows = ["offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)", "mask_m = offs_m < M",
             "rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
-    early = ["# (the epilogue's vector operands are loaded where they are used)"]
-    if spec.early_loads:
-        early = rows + emitter.row_loads
-        if early_cols:
-            early += subtile_columns("0") + columns + [f"{name}_s0 = {expr}" for name, expr in early_cols]
-        rows, row_loads = ["# (rows: with the early loads)"], ["# (row operands: with the early loads)"]
-    else:
-        row_loads = emitter.row_loads
     return fill({
         "kernel_name": kernel_name(graph),
         "epilogue_name": comment_name(graph),
@@ -169,9 +152,8 @@ def generate(graph: Graph, spec: Specialization) -> str:
         "alloc": "\n".join(alloc),
         "layouts": "\n".join(_layouts(graph)),
         "subtiles": "\n".join(_subtiles(sub)),
-        "early_loads": "\n".join(early),
         "rows": "\n".join(rows),
-        "row_loads": "\n".join(row_loads),
+        "row_loads": "\n".join(emitter.row_loads),
         "epilogue": "\n".join(epilogue),
         "epilogue_loader": loader,
         "epilogue_loader_partition": partition,

@@ -45,7 +45,6 @@ class Specialization(BaseModel):
     wide: bool = True  # int64 row offsets: some tensor spans 2**31 elements or more
     subtile: int = 1  # epilogue column subtiles per output tile (Config.subtile)
     epilogue_loop: bool = False  # gluon-hopper: one loop over the subtiles (Config.epilogue_loop)
-    early_loads: bool = False  # gluon-hopper: vector operands loaded before the epilogue (Config.early_loads)
 
     def key(self) -> str:
         text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

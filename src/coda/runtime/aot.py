@@ -97,7 +97,7 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
         raise RuntimeError("compile_hopper needs a process started with TRITON_INTERPRET=0")
     if spec.interpret:
         raise ValueError("compile_hopper needs a specialization with interpret=False")
-    fields = ("subtile", "backend", "epilogue_loop", "early_loads")
+    fields = ("subtile", "backend", "epilogue_loop")
     if any(getattr(spec, f) != getattr(cfg, f) for f in fields):
         raise ValueError("compile_hopper: the specialization and the config differ in "
                          + ", ".join(f"{f} ({getattr(spec, f)} vs {getattr(cfg, f)})" for f in fields

@@ -73,12 +73,6 @@ class Config(BaseModel):
     # subtile (a third of the code, and no spills, in sm_90 compiles of the SwiGLU backward):
     # the default for width-2 epilogues (`_gluon_default`), tried both ways by the tuner
     epilogue_loop: bool = False
-    # gluon-hopper only: load the epilogue's row (VecM, Scalar) operands and, in an unrolled
-    # epilogue, the first subtile's column (VecN) operands as soon as the tile's last MMA is
-    # issued, so that their latency overlaps the MMAs draining and the wait for the epilogue's
-    # turn (ncu found these epilogues waiting on global loads). Compiled for sm_90 only so far,
-    # not yet run on a GPU: neither a default nor tuned.
-    early_loads: bool = False
 
     @field_validator("num_warps")
     @classmethod
@@ -99,9 +93,8 @@ class Config(BaseModel):
         if self.epi_n < 16:
             raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
         if self.backend != "gluon-hopper":
-            if self.epi_stages != 2 or self.store_buffers != 1 or self.epilogue_loop or self.early_loads:
-                raise ValueError("Config: epi_stages, store_buffers, epilogue_loop and early_loads are gluon-hopper "
-                                 "options")
+            if self.epi_stages != 2 or self.store_buffers != 1 or self.epilogue_loop:
+                raise ValueError("Config: epi_stages, store_buffers and epilogue_loop are gluon-hopper options")
         else:
             if self.num_warps != 4 or self.flatten:
                 raise ValueError("Config: gluon-hopper runs one warpgroup per consumer (num_warps=4) and has no "

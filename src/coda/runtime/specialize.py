@@ -46,16 +46,16 @@ def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple
     backend = "triton" if cfg is None else cfg.backend
     return (backend, call.in_dtype, tma.operand_load(call.a), tma.operand_load(call.b), forms, tuple(stores),
             interpret, tuple(tma_stores), tuple(tiles), _wide(call), 1 if cfg is None else cfg.subtile,
-            cfg is not None and cfg.epilogue_loop, cfg is not None and cfg.early_loads)
+            cfg is not None and cfg.epilogue_loop)
 
 
 def make_spec(fields: tuple) -> Specialization:
-    backend, in_dtype, a_load, b_load, forms, stores, interpret, tma_stores, tiles, wide, subtile, loop, early = fields
+    backend, in_dtype, a_load, b_load, forms, stores, interpret, tma_stores, tiles, wide, subtile, loop = fields
     return Specialization(
         backend=backend, in_dtype=in_dtype, a_load=a_load, b_load=b_load,
         operands=tuple(OperandForm(name=n, dtype=d) for n, d in forms),
         store_dtypes=stores, interpret=interpret, tma_stores=tma_stores, tma_tiles=tiles, wide=wide, subtile=subtile,
-        epilogue_loop=loop, early_loads=early,
+        epilogue_loop=loop,
     )
 
 

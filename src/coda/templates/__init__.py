@@ -30,9 +30,7 @@ movement, which the generated code asserts); e_slot (the Tile-operand ring slot 
 subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
 (TMA staging buffers, [2 * STAGE_BUFS, BLOCK_M, cols]; s_buf, this subtile's buffer of its
 consumer); its extra hooks are consumer_params,
-consumer_args, alloc, layouts, subtiles, early_loads (statements run while the tile's last MMAs
-drain: with Config.early_loads, the rows hook's offs_m/mask_m/rows and the row loads move
-there), epilogue_loader, epilogue_loader_partition,
+consumer_args, alloc, layouts, subtiles, epilogue_loader, epilogue_loader_partition,
 epilogue_loader_warps, epilogue_loader_regs (and loader_params, loader_bytes, loader_copies in
 EPILOGUE_LOADER).
 """

@@ -120,7 +120,6 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, eturn,
             # The previous step's MMA has retired: its slot goes back to the loader.
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=ki > 0)
         mbarrier.arrive(turn.index(1 - CID), count=1)
-        <<early_loads>>
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES), count=1, pred=k_tiles > 0)
         mbarrier.wait(eturn.index(CID), turn_phase)

@@ -96,6 +96,11 @@ CONFIGS = {
     "sub4 st6": dict(subtile=4, num_stages=6),
     "sub4 g4": dict(subtile=4, group_m=4),
     "sub4 g16": dict(subtile=4, group_m=16),
+    # the cooperative schedule: both consumers on one 128x256 tile, 64 rows each
+    "coop sub8": dict(block_n=256, subtile=8, num_stages=3, cooperative=True),
+    "coop sub8 st4": dict(block_n=256, subtile=8, num_stages=4, cooperative=True),
+    "coop sub4": dict(block_n=256, subtile=4, num_stages=3, cooperative=True),
+    "coop sub8 loop": dict(block_n=256, subtile=8, num_stages=3, cooperative=True, epilogue_loop=True),
 }
 
 

@@ -61,7 +61,7 @@ WORKER = textwrap.dedent('''
     from coda.ir.types import Kind
     from coda.ops import epilogues as E
     from coda.runtime.aot import compile_hopper
-    from coda.runtime.config import default_config
+    from coda.runtime.config import Config, default_config, min_block_n
     from coda.runtime.launch import PLAIN
     from coda.runtime.specialize import make_spec, spec_fields
     from coda.runtime.validate import validate
@@ -112,13 +112,17 @@ WORKER = textwrap.dedent('''
 
     def compile_call(graph, in_dtype, dtypes, a_col, b_col, k=K, n=N, config=None):
         """Compile graph for sm_90 with the runtime's gluon-hopper specialization and default config
-        (with `config`'s fields changed)."""
+        (with `config`'s fields changed; "cooperative": the cooperative schedule on a 128x256 tile,
+        in 32-column subtiles or as wide as the epilogue's reduction groups need)."""
         dt = getattr(torch, in_dtype)
         a, b = matrix(M, k, dt, a_col), matrix(k, n, dt, b_col)
         operands = {name: operand(graph, name, d, n) for name, d in dtypes.items()}
         call = validate(graph, a, b, operands, None, True)  # CPU tensors: validated as for the interpreter
         cfg = default_config(graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper")
-        cfg = cfg.model_copy(update=config or {})
+        if config == "cooperative":
+            config = {"block_m": 128, "block_n": 256, "num_stages": 3, "cooperative": True,
+                      "subtile": max(1, 256 // max(32, min_block_n(graph)))}
+        cfg = Config(**{**cfg.model_dump(), **(config or {})})
         spec = make_spec(spec_fields(call, False, cfg))
         info = {"config": f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.subtile} stages {cfg.num_stages}",
                 "a_load": spec.a_load, "b_load": spec.b_load,
@@ -324,6 +328,31 @@ def test_epilogue_loop_compiles(worker: Worker, name: str) -> None:
     assert stores <= LOOP_SPILLS[name][0] and loads <= LOOP_SPILLS[name][1], (name, result["spill_bytes"])
 
 
+# The cooperative schedule (both consumers on one 128x256 tile, 64 rows each): sm_90 spill bytes
+# with a 3-slot ring, measured when this test was written; as for SPILLS.
+COOP = {"block_m": 128, "block_n": 256, "subtile": 8, "num_stages": 3, "cooperative": True}
+COOP_SPILLS = {"plain": (0, 0), "residual_norm_stats": (0, 0), "rmsnorm_backward_residual": (0, 0),
+               "rms_rope": (0, 0), "rms_swiglu": (0, 0), "swiglu_backward_zdz": (0, 0)}
+
+
+@pytest.mark.parametrize("name", sorted(COOP_SPILLS))
+def test_cooperative_compiles(worker: Worker, name: str) -> None:
+    result = worker.results[f"{name} coop"] = worker.ask(op="epilogue", name=name, a_col=False, b_col=True,
+                                                         config=COOP)
+    _check_compiled(f"{name} (cooperative)", result)
+    stores, loads = result["spill_bytes"]
+    assert stores <= COOP_SPILLS[name][0] and loads <= COOP_SPILLS[name][1], (name, result["spill_bytes"])
+
+
+@pytest.mark.parametrize("a_col", [False, True], ids=["a_row", "a_col"])
+@pytest.mark.parametrize("b_col", [False, True], ids=["b_row", "b_col"])
+def test_cooperative_memory_orders_compile(worker: Worker, a_col: bool, b_col: bool) -> None:
+    """Each consumer reads its 64-row half of the A slot: a slice along M of either memory order."""
+    result = worker.ask(op="epilogue", name="rms_swiglu", a_col=a_col, b_col=b_col, config=COOP)
+    worker.results[f"rms_swiglu coop a_{'col' if a_col else 'row'} b_{'col' if b_col else 'row'}"] = result
+    _check_compiled("rms_swiglu (cooperative)", result)
+
+
 def test_int32_positions_compile(worker: Worker) -> None:
     result = worker.results["rope pos int32"] = worker.ask(op="epilogue", name="rope", pos_dtype="int32",
                                                            a_col=False, b_col=True)
@@ -341,17 +370,18 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 @settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(program=programs(64, 64, 32), in_dtype=st.sampled_from(["bfloat16", "bfloat16", "float16", "float32"]),
-       a_col=st.booleans(), b_col=st.booleans(), k=st.sampled_from([64, 128, 36]))
+       a_col=st.booleans(), b_col=st.booleans(), k=st.sampled_from([64, 128, 36]),
+       coop=st.booleans())
 def test_random_program_compiles_or_is_refused(worker: Worker, program: Program, in_dtype: str, a_col: bool,
-                                               b_col: bool, k: int) -> None:
+                                               b_col: bool, k: int, coop: bool) -> None:
     """Compiles with wgmma within shared memory, or gluon-hopper's `unsupported` gives a reason
     (fp32 a/b; a/b that TMA cannot read: K = 36 leaves a row-major a or a column-major b
-    unaligned) and `generate` refuses with it."""
+    unaligned) and `generate` refuses with it; in either schedule (ping-pong, cooperative)."""
     source = program.source()
     note(source)
     dtypes = {p.name: DTYPE_NAMES[p.dtype] for p in program.params}
     result = worker.ask(op="program", source=source, dtypes=dtypes, in_dtype=in_dtype, a_col=a_col, b_col=b_col,
-                        k=k, n=256)
+                        k=k, n=256, config="cooperative" if coop else None)
     note(json.dumps(result))
     worker.results[f"random program {sum(key.startswith('random') for key in worker.results)}"] = {**result, "source": source}
     k_ok = k * 2 % 16 == 0  # the K-major row pitch of a row-major a and a column-major b (bf16/fp16)

@@ -25,18 +25,19 @@ from hypothesis import HealthCheck, given, note, settings
 import coda
 from coda.codegen import generate, gluon_kernel, unsupported
 from coda.epilogue import Epilogue
+from coda.ir.nodes import StoreOutput
 from coda.ir.primitives import BACKENDS, PRIMITIVES, REDUCTIONS
 from coda.ir.types import Kind
 from coda.ops import epilogues as E
 from coda.runtime import autotune, cache, fingerprint
 from coda.runtime.aot import hopper_spec
 from coda.runtime.config import (GLUON_CONSUMERS, HOPPER_SMEM_BYTES, Config, default_config,
-                                 gluon_scratch_bytes,
+                                 gluon_constexprs, gluon_scratch_bytes,
                                  ring_bytes, staging_bytes, store_bytes, tile_load_bytes)
 from coda.runtime.launch import PLAIN
 from coda.runtime.specialize import make_spec, spec_fields
 from coda.runtime.validate import validate
-from conftest import DEVICE, GPU
+from conftest import DEVICE, EPS, GPU
 from test_properties import Program, programs
 
 cpu_only = pytest.mark.skipif(GPU, reason="checks the choice made without a GPU (Triton's interpreter)")
@@ -267,6 +268,50 @@ def test_block_epilogues_are_deterministic(name: str, backend: str, monkeypatch:
             assert bool(same.all()), f"{name} on {backend}: output {key} differs at launch {launch + 2}"
 
 
+COOPERATIVE = Config(backend="gluon-hopper", block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3,
+                     subtile=8, cooperative=True)
+PING_PONG = Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4, subtile=4)
+
+
+@pytest.mark.skipif(not GPU, reason="gluon-hopper kernels run on a Hopper GPU")
+@pytest.mark.parametrize("a_col", [False, True], ids=["a_row", "a_col"])
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+def test_cooperative_schedule_matches_ping_pong(name: str, a_col: bool) -> None:
+    """Both consumers on one 128x256 tile (64 rows each) against ping-pong's 128x128 tiles (the
+    backend the rest of the suite checks against the references), with M ragged so that the
+    last tile's second row block is empty. Both take the same 32-column epilogue subtiles, so
+    tile outputs and reductions over N agree to the last bit but for wgmma's own summation
+    order (one bf16 ulp); reductions over M add 64- instead of 128-row partials (fp32 sums of M
+    terms reordered). Relaunched, the cooperative kernel gives bitwise the same outputs (a race
+    on its per-consumer rings would not)."""
+    torch.manual_seed(0)
+    m, n, k = 4096 + 40, 2048, 192
+    graph = EPILOGUES[name].graph
+    a = (torch.randn(k, m, device=DEVICE).bfloat16().T if a_col else torch.randn(m, k, device=DEVICE).bfloat16())
+    b = (torch.randn(n, k, device=DEVICE) * k**-0.5).bfloat16().T
+    ops = _random_operands(graph, m, n)
+
+    def run(cfg: Config) -> dict[str, torch.Tensor]:
+        out = coda.runtime.run(graph, a, b, ops, config=cfg)
+        return out if isinstance(out, dict) else {graph.outputs[0].name: out}
+
+    coop, ping = run(COOPERATIVE), run(PING_PONG)
+    for o in graph.outputs:
+        x, y = coop[o.name], ping[o.name]
+        assert x.shape == y.shape and x.dtype == y.dtype, o.name
+        if isinstance(o, StoreOutput):
+            rtol = 2 * EPS[x.dtype]
+        else:  # a reduction: fp32 sums of up to max(m, n) terms in another order
+            rtol = max(m, n) * EPS[torch.float32]
+        torch.testing.assert_close(x.float(), y.float(), rtol=rtol, atol=rtol * y.float().abs().max().item(),
+                                   equal_nan=True, msg=lambda text: f"{name} output {o.name}: {text}")
+    for launch in range(4):
+        again = run(COOPERATIVE)
+        for key, t in coop.items():
+            same = (again[key] == t) | (again[key].isnan() & t.isnan())
+            assert bool(same.all()), f"{name} cooperative: output {key} differs at launch {launch + 2}"
+
+
 # -- cache keys fail closed ------------------------------------------------------------------------
 
 def test_kernel_key_includes_the_generator_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,17 +365,33 @@ GOOD = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_wa
     ({"num_warps": 2}, "num_warps=4"),
     ({"flatten": True}, "flatten=False"),
     ({"block_m": 256, "block_n": 64}, "block_m 64 or 128"),
-    ({"block_m": 128, "block_n": 256}, "block_m \\* block_n <= 16384"),
-    ({"block_m": 64, "block_n": 512, "subtile": 2}, "block_m \\* block_n <= 16384"),
+    ({"block_m": 128, "block_n": 256}, "consumer\\) \\* block_n <= 16384"),
+    ({"block_m": 64, "block_n": 512, "subtile": 2}, "consumer\\) \\* block_n <= 16384"),
     ({"block_m": 64, "block_n": 512, "subtile": 1}, "at most 256 columns"),
+    ({"block_m": 128, "block_n": 512, "subtile": 2, "cooperative": True}, "consumer\\) \\* block_n <= 16384"),
+    ({"block_m": 64, "block_n": 256, "cooperative": True}, "block_m 128 into the two"),
 ])
 def test_config_refuses_impossible_gluon_configs(change: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         Config(**{**GOOD, **change})
-    Config(**{**GOOD, **change, "backend": "triton"})  # the same tile is fine for Triton
+    tile = {key: v for key, v in change.items() if key != "cooperative"}
+    Config(**{**GOOD, **tile, "backend": "triton"})  # the same tile is fine for Triton
 
 
-@pytest.mark.parametrize("change", [{"epi_stages": 4}, {"store_buffers": 2}, {"epilogue_loop": True}])
+def test_cooperative_tiles_split_their_rows_between_the_consumers() -> None:
+    """A cooperative 128x256 tile is two 64x256 accumulators: the epilogue's boxes, staging and
+    partials are 64 rows high, the operand ring holds the whole tile, the kernel gets SPLIT_M 2."""
+    coop = Config(**{**GOOD, "block_n": 256, "subtile": 8, "cooperative": True})
+    assert (coop.epi_m, coop.epi_n) == (64, 32) and (Config(**GOOD).epi_m, Config(**GOOD).epi_n) == (128, 128)
+    assert staging_bytes(coop, Fraction(1), 2) == 64 * 32 * 2
+    assert tile_load_bytes(coop, Fraction(1), 2) == 2 * coop.epi_stages * 64 * 32 * 2  # a ring per consumer
+    assert ring_bytes(coop, 2) == coop.num_stages * (128 + 256) * 64 * 2
+    assert gluon_constexprs(coop, False, True)["SPLIT_M"] == 2
+    assert gluon_constexprs(Config(**GOOD), False, True)["SPLIT_M"] == 1
+
+
+@pytest.mark.parametrize("change", [{"epi_stages": 4}, {"store_buffers": 2}, {"epilogue_loop": True},
+                                    {"cooperative": True}])
 def test_epilogue_pipelining_options_are_gluon_only(change: dict) -> None:
     assert Config(**{**GOOD, **change}).model_dump()[next(iter(change))] == next(iter(change.values()))
     with pytest.raises(ValueError, match="gluon-hopper options"):

@@ -83,12 +83,12 @@ def generate(graph: Graph, spec: Specialization) -> str:
 
     alloc = [f"stage_{n} = gl.allocate_shared_memory(out_{n}_ptr.dtype, [2 * STAGE_BUFS] + out_{n}_ptr.block_type.shape, "
              f"out_{n}_ptr.layout)" for n in stages]
-    alloc += [f"ering_{n} = gl.allocate_shared_memory(in_{n}_ptr.dtype, [E_STAGES] + in_{n}_ptr.block_type.shape, "
+    alloc += [f"ering_{n} = gl.allocate_shared_memory(in_{n}_ptr.dtype, [SPLIT_M * E_STAGES] + in_{n}_ptr.block_type.shape, "
               f"in_{n}_ptr.layout)" for n in tiles]
     if tiles:
-        alloc += ["e_ready = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())",
-                  "e_empty = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())",
-                  "for i in gl.static_range(E_STAGES):",
+        alloc += ["e_ready = gl.allocate_shared_memory(gl.int64, [SPLIT_M * E_STAGES, 1], mbarrier.MBarrierLayout())",
+                  "e_empty = gl.allocate_shared_memory(gl.int64, [SPLIT_M * E_STAGES, 1], mbarrier.MBarrierLayout())",
+                  "for i in gl.static_range(SPLIT_M * E_STAGES):",
                   "    mbarrier.init(e_ready.index(i), count=1)",
                   "    mbarrier.init(e_empty.index(i), count=1)"]
 
@@ -106,10 +106,10 @@ def generate(graph: Graph, spec: Specialization) -> str:
         if partials_n(graph):
             lines.append(f"part_n = pid_n * {sub} + {h}")
         if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
-            lines.append(f"s_buf = CID * STAGE_BUFS + ((local // 2) * SUBTILE + {h}) % STAGE_BUFS")
+            lines.append(f"s_buf = CID * STAGE_BUFS + (own * SUBTILE + {h}) % STAGE_BUFS")
         lines += columns
         if tiles:  # this subtile's slot of the Tile-operand ring
-            lines += [f"e_count = local * SUBTILE + {h}", "e_slot = e_count % E_STAGES",
+            lines += [f"e_count = local * SUBTILE + {h}", "e_slot = HALF * E_STAGES + e_count % E_STAGES",
                       "mbarrier.wait(e_ready.index(e_slot), (e_count // E_STAGES) & 1)"]
         lines += emitter.loads
         if tiles:  # the values are in registers: the slot goes back to the epilogue loader
@@ -136,8 +136,8 @@ def generate(graph: Graph, spec: Specialization) -> str:
         loader = fill({"loader_params": "".join(f"{p}, " for p in params),
                        "loader_bytes": " + ".join(f"in_{n}_ptr.block_type.nbytes" for n in tiles),
                        "loader_copies": "\n".join(copies)}, EPILOGUE_LOADER)
-        partition = (f"(_epilogue_loader, ({''.join(f'{p}, ' for p in params)}e_ready, e_empty, M, N, BLOCK_M, "
-                     "BLOCK_N, GROUP_M, NUM_SMS, EPI_N, E_STAGES)),")
+        partition = (f"(_epilogue_loader, ({''.join(f'{p}, ' for p in params)}e_ready, e_empty, M, N, EPI_M, "
+                     "BLOCK_N, GROUP_M, NUM_SMS, EPI_N, E_STAGES, SPLIT_M)),")
         warps, regs = ", 1", ", 40"
 
     rows = ["offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)", "mask_m = offs_m < M",

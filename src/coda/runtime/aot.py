@@ -60,7 +60,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
             sig[names[0]] = "fp32"
             continue
         if s.name in spec.tma_tiles:
-            sig[names[0]] = _desc(form.dtype, [cfg.block_m, int(cfg.epi_n * s.frac_width)], gluon)
+            sig[names[0]] = _desc(form.dtype, [cfg.epi_m, int(cfg.epi_n * s.frac_width)], gluon)
         else:
             sig[names[0]] = f"*{_SHORT[form.dtype]}"
         for n in names[1:]:
@@ -70,7 +70,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
         names = output_args(o)
         if isinstance(o, StoreOutput) and o.name in spec.tma_stores:
             cols = int(cfg.epi_n * graph.node(o.x).frac_width)
-            sig[names[0]] = _desc(stores[o.name], [cfg.block_m, cols], gluon)
+            sig[names[0]] = _desc(stores[o.name], [cfg.epi_m, cols], gluon)
         else:
             sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
         for n in names[1:]:

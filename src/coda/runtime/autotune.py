@@ -84,13 +84,16 @@ def config_space(in_dtype: str, backends: tuple[str, ...] = ("triton",)) -> list
 
 def _gluon_space() -> list[Config]:
     """gluon-hopper: 128x128 or 64x256 per consumer (two accumulators must fit the registers),
-    ring depth, epilogue subtiles (register slices of the accumulator)."""
+    ring depth, epilogue subtiles (register slices of the accumulator); ping-pong, or both
+    consumers on one 128x256 tile (cooperative: fewer operand bytes per FLOP, the epilogue not
+    hidden)."""
     # The H200 sweep at template v2 (bench/results/block_kernels_sweep_2fa4523.md): 128x128 with
     # a 4-slot ring and 32-column subtiles wins or ties nearly everywhere; 3 slots lose 20-40%.
-    tiles = [(128, 128, 64, 4, 4), (128, 128, 64, 4, 2), (128, 128, 64, 5, 4), (128, 128, 64, 4, 1),
-             (64, 256, 64, 4, 4), (128, 128, 128, 3, 4)]
+    tiles = [(128, 128, 64, 4, 4, False), (128, 128, 64, 4, 2, False), (128, 128, 64, 5, 4, False),
+             (128, 128, 64, 4, 1, False), (64, 256, 64, 4, 4, False), (128, 128, 128, 3, 4, False),
+             (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, True)]
     return [Config(backend="gluon-hopper", block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=4, num_stages=s,
-                   subtile=sub) for bm, bn, bk, s, sub in tiles]
+                   subtile=sub, cooperative=coop) for bm, bn, bk, s, sub, coop in tiles]
 
 
 def _triton_space(in_dtype: str) -> list[Config]:
@@ -155,7 +158,7 @@ def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int,
             cols = cfg.epi_n * graph.node(node.x).frac_width
             if cols < 2 or cols % 2:
                 return f"pairs need an even column count per tile, got {cols}"
-    acc_regs = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)  # gluon-hopper: per consumer warpgroup
+    acc_regs = cfg.epi_m * cfg.block_n // (32 * cfg.num_warps)  # gluon-hopper: per consumer warpgroup
     if acc_regs > MAX_ACC_REGS:
         return f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS})"
     smem = smem_bytes(graph, cfg, in_size, out_size)
@@ -201,7 +204,8 @@ def measure(fn: Callable[[], object]) -> float:
 def _label(cfg: Config) -> str:
     return (f"{'gluon ' if cfg.backend == 'gluon-hopper' else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}"
-            f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}{f' group{cfg.group_m}' if cfg.group_m != 8 else ''}")
+            f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}{f' group{cfg.group_m}' if cfg.group_m != 8 else ''}"
+            f"{' loop' if cfg.epilogue_loop else ''}{' coop' if cfg.cooperative else ''}")
 
 
 def tune(

@@ -27,13 +27,14 @@ def ring_bytes(cfg: "Config", in_size: int) -> int:
 def staging_bytes(cfg: "Config", width: Fraction, out_size: int) -> int:
     """Shared memory staging one TMA-loaded or TMA-stored epilogue tile of the given width (one
     subtile's: the subtiles of a tile reuse the buffer, as sm_90 compiles show)."""
-    return cfg.block_m * int(cfg.epi_n * width) * out_size
+    return cfg.epi_m * int(cfg.epi_n * width) * out_size
 
 
 def tile_load_bytes(cfg: "Config", width: Fraction, size: int) -> int:
     """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
-    epilogue loader keeps a ring of `epi_stages` subtiles."""
-    slots = cfg.epi_stages if cfg.backend == "gluon-hopper" else 1
+    epilogue loader keeps a ring of `epi_stages` subtiles (one ring per consumer when they
+    share tiles)."""
+    slots = cfg.epi_stages * (2 if cfg.cooperative else 1) if cfg.backend == "gluon-hopper" else 1
     return slots * staging_bytes(cfg, width, size)
 
 
@@ -73,6 +74,11 @@ class Config(BaseModel):
     # subtile (a third of the code, and no spills, in sm_90 compiles of the SwiGLU backward):
     # the default for width-2 epilogues (`_gluon_default`), tried both ways by the tuner
     epilogue_loop: bool = False
+    # gluon-hopper only: both consumer warpgroups on every tile, block_m // 2 rows each (the
+    # cooperative schedule), instead of alternate tiles (ping-pong). The epilogue no longer
+    # runs under the other consumer's K loop, but a 128x256 tile reads a third fewer operand
+    # bytes per FLOP than 128x128 ones: for long K and light epilogues.
+    cooperative: bool = False
 
     @field_validator("num_warps")
     @classmethod
@@ -93,16 +99,21 @@ class Config(BaseModel):
         if self.epi_n < 16:
             raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
         if self.backend != "gluon-hopper":
-            if self.epi_stages != 2 or self.store_buffers != 1 or self.epilogue_loop:
-                raise ValueError("Config: epi_stages, store_buffers and epilogue_loop are gluon-hopper options")
+            if self.epi_stages != 2 or self.store_buffers != 1 or self.epilogue_loop or self.cooperative:
+                raise ValueError("Config: epi_stages, store_buffers, epilogue_loop and cooperative are gluon-hopper "
+                                 "options")
         else:
             if self.num_warps != 4 or self.flatten:
                 raise ValueError("Config: gluon-hopper runs one warpgroup per consumer (num_warps=4) and has no "
                                  "flattened tile loop (flatten=False)")
-            if self.block_m not in (64, 128) or self.epi_n > 256 or self.block_m * self.block_n > 128 * 128:
+            if self.cooperative and self.block_m != 128:
+                raise ValueError(f"Config: the cooperative schedule splits a tile of block_m 128 into the two "
+                                 f"consumers' 64 rows (a wgmma's), got block_m {self.block_m}")
+            if self.block_m not in (64, 128) or self.epi_n > 256 or self.epi_m * self.block_n > 128 * 128:
                 raise ValueError(f"Config: gluon-hopper tiles need block_m 64 or 128, at most 256 columns per "
-                                 f"subtile and block_m * block_n <= 16384 (two accumulators in registers), got "
-                                 f"{self.block_m}x{self.block_n} subtile {self.subtile}")
+                                 f"subtile and (rows per consumer) * block_n <= 16384 (two accumulators in "
+                                 f"registers), got {self.block_m}x{self.block_n} subtile {self.subtile}"
+                                 f"{' cooperative' if self.cooperative else ''}")
         return self
 
     @property
@@ -110,12 +121,18 @@ class Config(BaseModel):
         """Columns of one epilogue subtile."""
         return self.block_n // self.subtile
 
+    @property
+    def epi_m(self) -> int:
+        """Rows of one consumer's accumulator: the epilogue's tile height (its TMA boxes, its
+        reduce_m partials)."""
+        return self.block_m // 2 if self.cooperative else self.block_m
+
 
 def gluon_constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
     """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
     compile pass the same ones)."""
     return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
-            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS}
+            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS, "SPLIT_M": 2 if cfg.cooperative else 1}
 
 
 def min_block_n(graph: Graph) -> int:
@@ -208,4 +225,4 @@ def gluon_scratch_bytes(graph: Graph, cfg: "Config") -> int:
     if cfg.backend != "gluon-hopper":
         return 0
     moves = any(isinstance(o, ReduceOutput) and (o.axis == "m" or o.group is not None) for o in graph.outputs)
-    return cfg.block_m * cfg.epi_n * 4 if moves else 0
+    return cfg.epi_m * cfg.epi_n * 4 if moves else 0

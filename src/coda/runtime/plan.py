@@ -149,7 +149,7 @@ class Plan:
             if s.kind == Kind.TILE:
                 static[names[1]], static[names[2]] = v.stride(0), v.stride(1)
                 if s.name in spec.tma_tiles:
-                    layout = _operand_layout(v, "tma_row", cfg.block_m, int(cfg.epi_n * s.frac_width), gluon)
+                    layout = _operand_layout(v, "tma_row", cfg.epi_m, int(cfg.epi_n * s.frac_width), gluon)
             elif s.kind != Kind.SCALAR:
                 static[names[1]] = v.stride(0)
             operands.append((s.name, names[0], forms[s.name].dtype is None and s.kind == Kind.SCALAR, layout))
@@ -161,14 +161,14 @@ class Plan:
                 strides = _out_strides(call, o.name, shape)
                 static[names[1]], static[names[2]] = strides
                 width = graph.node(o.x).frac_width
-                layout = (_layout(list(shape), strides, [cfg.block_m, int(cfg.epi_n * width)], call.out_dtype(o), gluon)
+                layout = (_layout(list(shape), strides, [cfg.epi_m, int(cfg.epi_n * width)], call.out_dtype(o), gluon)
                           if o.name in spec.tma_stores else None)
                 outs.append(_Out(o, names, shape, call.out_dtype(o), layout=layout))
             elif o.group is not None:
                 static[names[1]], static[names[2]] = _out_strides(call, o.name, shape)
                 outs.append(_Out(o, names, shape, torch.float32))
             else:
-                part = (m, tiles_n * cfg.subtile) if o.axis == "n" else (tiles_m, shape[0])
+                part = (m, tiles_n * cfg.subtile) if o.axis == "n" else (-(-m // cfg.epi_m), shape[0])
                 outs.append(_Out(o, names, shape, torch.float32, partial=part))
         return cls(kernel=kernel, spec=spec, single=graph.outputs[0].name if graph.single else None, static=static,
                    layout_a=layout_a, layout_b=layout_b,

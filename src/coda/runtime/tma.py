@@ -31,8 +31,8 @@ def operand_load(t: torch.Tensor) -> str:
 
 
 def box_ok(cfg: Config, cols: object, itemsize: int) -> bool:
-    """A [BLOCK_M, cols] TMA box: at most 256 per dim and at least 16 bytes per row."""
-    return cols <= 256 and cfg.block_m <= 256 and cols * itemsize >= 16
+    """An epilogue's [rows, cols] TMA box: at most 256 per dim and at least 16 bytes per row."""
+    return cols <= 256 and cfg.epi_m <= 256 and cols * itemsize >= 16
 
 
 def store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:

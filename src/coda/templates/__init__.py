@@ -21,13 +21,16 @@ epilogue_loop runs it in a loop over `h`):
 Argument names: coda.codegen.spec.operand_args / output_args (in_<operand>..., out_<output>...).
 Hooks every template declares: kernel_name, epilogue_name, graph_hash, args, rows, row_loads, epilogue.
 gluon-hopper adds, inside a consumer partition: CID (0 or 1), local (the tile's position in the
-program's tile order), acc (the [BLOCK_M, BLOCK_N] wgmma accumulator, layout MMA) and acc_<h>
+program's tile order), own (this consumer's tiles before this one), SPLIT_M and HALF (consumers per tile
+and this one's row block of it: 1 and 0 in ping-pong, 2 and CID in the cooperative schedule;
+BLOCK_M, pid_m, off_m are then the consumer's rows, row block and first row), acc (the
+[BLOCK_M, BLOCK_N] wgmma accumulator, layout MMA) and acc_<h>
 (its subtiles, register slices made by the `subtiles` hook), EPI / ROWS / COLS (the layout of
 width-1 values, the accumulator's own at EPI_N columns, and its row/column slices) and, where
 the epilogue has values of half or double width, EPI_H / ROWS_H / COLS_H and EPI_2 / ROWS_2 /
 COLS_2 (declared by the `layouts` hook; they split into and join from EPI with no data
 movement, which the generated code asserts); e_slot (the Tile-operand ring slot of this
-subtile), ering_<operand> (that ring, [E_STAGES, BLOCK_M, cols]), stage_<output>
+subtile), ering_<operand> (that ring, [SPLIT_M * E_STAGES, BLOCK_M, cols]), stage_<output>
 (TMA staging buffers, [2 * STAGE_BUFS, BLOCK_M, cols]; s_buf, this subtile's buffer of its
 consumer); its extra hooks are consumer_params,
 consumer_args, alloc, layouts, subtiles, epilogue_loader, epilogue_loader_partition,

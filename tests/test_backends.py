@@ -31,7 +31,7 @@ from coda.ir.types import Kind
 from coda.ops import epilogues as E
 from coda.runtime import autotune, cache, fingerprint
 from coda.runtime.aot import hopper_spec
-from coda.runtime.config import (GLUON_CONSUMERS, HOPPER_SMEM_BYTES, Config, default_config,
+from coda.runtime.config import (COOPERATIVE_MIN_K, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, Config, default_config,
                                  gluon_constexprs, gluon_scratch_bytes,
                                  ring_bytes, staging_bytes, store_bytes, tile_load_bytes)
 from coda.runtime.launch import PLAIN
@@ -410,12 +410,26 @@ def test_config_accepts_gluon_configs_within_limits() -> None:
         assert Config(**{**GOOD, **change}).backend == "gluon-hopper"
 
 
-def test_gluon_defaults_are_valid_for_every_epilogue() -> None:
+@pytest.mark.parametrize("k", [4096, COOPERATIVE_MIN_K])
+def test_gluon_defaults_are_valid_for_every_epilogue(k: int) -> None:
     for name, ep in {**EPILOGUES, "plain": None}.items():
         graph = PLAIN if ep is None else ep.graph
-        cfg = default_config(graph, "bfloat16", False, 4096, 4096, 4096, "gluon-hopper")
+        cfg = default_config(graph, "bfloat16", False, 4096, 4096, k, "gluon-hopper")
         assert cfg.backend == "gluon-hopper" and cfg.num_warps == 4 and not cfg.flatten, name
         assert ring_bytes(cfg, 2) + gluon_scratch_bytes(graph, cfg) <= HOPPER_SMEM_BYTES, name  # before staging
+
+
+def test_gluon_default_schedule_follows_the_depth() -> None:
+    """Cooperative for the plain GEMM at any K and for the block's epilogues from
+    COOPERATIVE_MIN_K on; ping-pong (its epilogue hidden) below."""
+    def schedule(graph, k: int) -> bool:
+        return default_config(graph, "bfloat16", False, 8192, 2048, k, "gluon-hopper").cooperative
+
+    assert schedule(PLAIN, 64) and schedule(PLAIN, 2048)
+    for name in ("residual_norm_stats", "rmsnorm_backward_residual", "rms_rope"):
+        graph = EPILOGUES[name].graph
+        assert not schedule(graph, 2048) and not schedule(graph, COOPERATIVE_MIN_K - 64), name
+        assert schedule(graph, COOPERATIVE_MIN_K), name
 
 
 def test_config_space_holds_both_backends() -> None:

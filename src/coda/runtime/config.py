@@ -164,7 +164,7 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
                    backend: Backend = "triton") -> Config:
     """A reasonable config without tuning."""
     if backend == "gluon-hopper":
-        return _gluon_default(graph, 4 if in_dtype == "float32" else 2)
+        return _gluon_default(graph, 4 if in_dtype == "float32" else 2, k)
     if interpret:
         block = 16 if max(m, n) <= 64 else 32
         cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
@@ -180,7 +180,16 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
     return cfg
 
 
-def _gluon_default(graph: Graph, in_size: int) -> Config:
+# From this depth on, and for the plain GEMM at any depth, gluon-hopper defaults to the cooperative
+# schedule: on the H200 (bench/results/epilogue_cost/coop_ksweep_d2048.md,
+# coop_block_d2048.md, coop_block_d4096.md) the plain GEMM ran at
+# 0.98-1.05x cuBLAS cooperative against 1.04-1.09x ping-pong (K = 2048..16384), and the residual
+# and RMSNorm-backward epilogues at 1.04-1.10x against 1.12-1.13x from K = 8192; at the block's
+# shorter K ping-pong's hidden epilogue wins (e.g. RoPE 1.12 vs 1.19 at K = 2048).
+COOPERATIVE_MIN_K = 8192
+
+
+def _gluon_default(graph: Graph, in_size: int, k: int) -> Config:
     """128x128 tiles per consumer (a 128-register accumulator each, full-width MMAs) behind a
     4-slot ring, the best gluon-hopper tile in the H200 sweep (bench/results/block_kernels.json).
     The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
@@ -189,9 +198,18 @@ def _gluon_default(graph: Graph, in_size: int) -> Config:
     Wider reduction groups take wider subtiles (and 64-row tiles past 128 columns).
     Epilogues that read or write width-2 tiles (the SwiGLU backward) run as one loop over the
     subtiles: the H200 measured 2.18x -> 1.36x cuBLAS for it at D=2048, where rms_rope and the
-    RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md)."""
+    RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md).
+    The plain GEMM, and any epilogue from K = COOPERATIVE_MIN_K on, take the cooperative
+    schedule on a 128x256 tile (32-column subtiles: no spills in sm_90 compiles of the block's
+    epilogues, where 64-column ones spill) where it fits shared memory."""
     need = min_block_n(graph)
     loop = graph.uses_width(Fraction(2))
+    plain = not graph.operands and len(graph.outputs) == 1 and isinstance(graph.outputs[0], StoreOutput)
+    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32:
+        cfg = Config(backend="gluon-hopper", block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3,
+                     subtile=8, epilogue_loop=loop, cooperative=True)
+        if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
+            return cfg
     if not any(isinstance(o, StoreOutput) for o in graph.outputs) and need <= 128:
         # reductions alone (an LM head's statistics): one subtile writes a quarter of the
         # partials, and nothing is staged

@@ -164,11 +164,33 @@ def watchdog(timeout: int) -> None:
                     end = i + 1
                     break
             sys.stderr.write(f"[watchdog] main thread, outermost {end} of {len(stack)} stack entries:\n" + "".join(stack[:end]))
+            lowering_failures(frame)
             sys.stderr.flush()
 
     timer = threading.Timer(max(timeout - 10, 1), outer)
     timer.daemon = True
     timer.start()
+
+
+def lowering_failures(frame) -> None:
+    """Inductor formats a failed lowering's error message from its arguments' IR, which can
+    recurse for minutes (seen on the H200 with coda_compile): print, from each Inductor
+    `call_function` frame on the stack, the op being lowered and the exception it raised, with
+    that exception's innermost frames."""
+    import reprlib
+    import traceback
+
+    short = reprlib.Repr()
+    short.maxstring, short.maxother = 400, 400
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "call_function" and code.co_filename.endswith("_inductor/graph.py"):
+            target, exc = frame.f_locals.get("target"), frame.f_locals.get("e")
+            sys.stderr.write(f"[watchdog] Inductor was lowering {short.repr(target)}\n")
+            if isinstance(exc, BaseException):
+                sys.stderr.write(f"[watchdog] which raised {type(exc).__name__}: {short.repr(exc.args)}\n"
+                                 + "".join(traceback.format_tb(exc.__traceback__)[-8:]))
+        frame = frame.f_back
 
 
 def run_variant(args) -> dict:

@@ -124,32 +124,8 @@ def build(variant: str, model_name: str, device: str, seed: int, layers: int = 0
     model = coda.models.LlamaForCausalLM.from_hf(hf, checkpoint=variant == "coda_checkpoint")
     del hf
     if variant == "coda_compile":
-        inductor_workaround(os.environ.get("CODA_INDUCTOR_WORKAROUND", ""))
         return torch.compile(model, fullgraph=True, backend=compile_backend)
     return model
-
-
-def inductor_workaround(kind: str) -> None:
-    """Diagnostics for coda_compile on the H200's torch 2.11, whose Inductor builds the message
-    "Creating implicit fallback for" (an op without a lowering, such as coda's custom ops) by
-    printing the op's argument IR eagerly, whatever the log level (torch 2.13 defers it), and
-    never finished doing so: `make_fallback` gives coda's ops explicit fallback lowerings, so the
-    message is never built; `short_operator_str` makes the message name the op only."""
-    import torch
-
-    if kind == "make_fallback":
-        from torch._inductor.lowering import make_fallback
-
-        for name in dir(torch.ops.coda):
-            packet = getattr(torch.ops.coda, name)
-            if isinstance(packet, torch._ops.OpOverloadPacket):
-                make_fallback(packet.default, warn=False)
-    elif kind == "short_operator_str":
-        from torch._inductor import exc
-
-        exc.OperatorIssue.operator_str = staticmethod(lambda target, args, kwargs: f"  target: {target}")
-    elif kind:
-        raise ValueError(f"CODA_INDUCTOR_WORKAROUND: make_fallback or short_operator_str, got {kind!r}")
 
 
 def batches(vocab: int, batch: int, seq: int, device: str, count: int = 4):

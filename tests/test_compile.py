@@ -98,3 +98,40 @@ def test_threads():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_explicit_inductor_fallbacks():
+    """On torch < 2.13 coda registers its custom ops as explicit Inductor fallbacks when they are
+    defined (runtime/inductor.py: that torch printed an implicit fallback's argument IR eagerly,
+    which hung torch.compile of the coda Llama). This torch does not need them: register them
+    here and check that Inductor still runs coda.gemm (in place too) and a differentiable op,
+    forward and backward, as eager does."""
+    from torch._inductor.lowering import lowerings
+
+    from coda.runtime import inductor
+
+    assert inductor.needs_explicit_fallbacks("2.11.0+cu130") and inductor.needs_explicit_fallbacks("2.12.1")
+    assert not inductor.needs_explicit_fallbacks("2.13.0+cpu") and not inductor.needs_explicit_fallbacks("2.14.0")
+    ops = [getattr(torch.ops.coda, name).default for name in ("gemm", "rmsnorm_fwd", "rmsnorm_bwd")]
+    for op in ops:
+        inductor.register_fallback(op)
+        inductor.register_fallback(op)  # once
+        assert op in lowerings
+
+    a, b, g, r = _inputs()
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(program, fullgraph=True)(a, b, g, r), program(a, b, g, r)):
+        assert_close(got, want, a, b, "coda.gemm")
+
+    def norm(x, w):
+        return (coda.ops.rmsnorm(x, w, 1e-6) ** 2).sum()
+
+    x, w = randn(8, 32).requires_grad_(), randn(32).requires_grad_()
+    want = norm(x, w)
+    want_grads = torch.autograd.grad(want, (x, w))
+    torch._dynamo.reset()
+    got = torch.compile(norm, fullgraph=True)(x, w)
+    got_grads = torch.autograd.grad(got, (x, w))
+    torch.testing.assert_close(got, want)
+    for gg, wg in zip(got_grads, want_grads):
+        torch.testing.assert_close(gg, wg)

@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..runtime.inductor import explicit_fallback
+
 _TENSOR, _LIST, _VALUE = "tensor", "list", "value"
 
 
@@ -51,6 +53,9 @@ class FusedOp:
         self.backward.register_fake(backward_fake)
         self._save = save
         torch.library.register_autograd(f"{name}_fwd", self._autograd_backward, setup_context=self._setup)
+        namespace, op = name.split("::")
+        for suffix in ("_fwd", "_bwd"):
+            explicit_fallback(getattr(getattr(torch.ops, namespace), op + suffix).default)
 
     def __call__(self, *args: Any) -> Any:
         out = self.forward(*args)

@@ -21,6 +21,7 @@ import torch
 
 from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
+from .inductor import explicit_fallback
 
 # graph hash -> graph, for every traced epilogue (and the plain GEMM): what the op's key names
 _graphs: dict[str, Graph] = {}
@@ -79,6 +80,9 @@ def _gemm_fake(key, a, b, tensor_idx, tensors, scalar_idx, scalars, outs) -> Non
         from .validate import validate
 
         validate(graph, a, b, operands, out, interpreting())
+
+
+explicit_fallback(torch.ops.coda.gemm.default)
 
 
 def dispatch(a: object, b: object, epilogue: object, out: object, operands: dict[str, object]):

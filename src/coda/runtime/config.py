@@ -76,7 +76,7 @@ class Config(BaseModel):
     epilogue_loop: bool = False
     # gluon-hopper only: both consumer warpgroups on every tile, block_m // 2 rows each (the
     # cooperative schedule), instead of alternate tiles (ping-pong). The epilogue no longer
-    # runs under the other consumer's K loop, but a 128x256 tile reads a third fewer operand
+    # runs under the other consumer's K loop, but a 128x256 tile reads a quarter fewer operand
     # bytes per FLOP than 128x128 ones: for long K and light epilogues.
     cooperative: bool = False
 

@@ -17,7 +17,7 @@ Roles, one persistent program per SM:
     ahead of the loader, which the turns guarantee.
   - cooperative (SPLIT_M = 2): both consumers take every tile of 2 * BLOCK_M rows, CID's
     BLOCK_M rows each (the operand ring's A slot is sliced; each ring slot is released by
-    both). A tile's epilogue no longer hides under a K loop, but a 128x256 tile reads a third
+    both). A tile's epilogue no longer hides under a K loop, but a 128x256 tile reads a quarter
     fewer operand bytes per FLOP than two 128x128 ones: for long K and light epilogues.
   Inside `_consumer` and the epilogue, BLOCK_M is the consumer's rows and pid_m/off_m its
   row block, whatever the schedule.

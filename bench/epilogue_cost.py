@@ -55,6 +55,8 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
         return swiglu_stores_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
     if name == "plain_swiglu_shape":
         return None, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
+    if name == "plain_d":  # the residual/RMSNorm GEMMs' [M, D] output with no epilogue (for ncu beside them)
+        return None, rand(m, kd), rand(d, kd, scale=kd**-0.5).T, {}
     if name == "residual_norm_stats":
         return (E.residual_norm_stats, rand(m, kd), rand(d, kd, scale=kd**-0.5).T,
                 {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device="cuda"))})
@@ -73,7 +75,7 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     raise ValueError(name)
 
 
-CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "plain_swiglu_shape",
+CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "plain_swiglu_shape", "plain_d",
          "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope"]
 BASE = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
 CONFIGS = {

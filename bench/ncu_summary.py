@@ -1,5 +1,8 @@
 """Summarize an Nsight Compute report's raw and source pages (bench/ncu_epilogue.sh): each warp
-stall reason's share of the sampled stalls, and the SASS instructions with the most samples.
+stall reason's share of the sampled stalls, the SASS instructions with the most samples, and
+the samples by opcode, where a predicated branch right after an mbarrier try-wait counts as
+the wait on that barrier (the spin loop a warp sits in while it waits; in a gluon-hopper kernel
+the barrier's shared-memory offset tells which one: the rings' ready/empty, turn, eturn).
 
     python3 bench/ncu_summary.py RAW_CSV [SOURCE_CSV]
 
@@ -35,8 +38,8 @@ def stall_shares(rows: list[list[str]]) -> list[tuple[str, float]]:
     return sorted(((k, v / total) for k, v in counts.items() if v), key=lambda kv: -kv[1]) if total else []
 
 
-def hot_instructions(rows: list[list[str]], top: int = 15) -> list[tuple[str, float]]:
-    """(SASS text, stall samples) of the instructions with the most samples, from a source page."""
+def sampled_instructions(rows: list[list[str]]) -> list[tuple[str, float]]:
+    """(SASS text, stall samples) of every instruction of a source page, in program order."""
     header = next((r for r in rows if any("Source" == c or "# Address" in c for c in r)), None)
     if header is None:
         return []
@@ -51,7 +54,30 @@ def hot_instructions(rows: list[list[str]], top: int = 15) -> list[tuple[str, fl
                 out.append((r[src].strip(), float(r[samp].replace(",", "") or 0)))
             except ValueError:
                 continue
-    return sorted(out, key=lambda kv: -kv[1])[:top]
+    return out
+
+
+def hot_instructions(rows: list[list[str]], top: int = 15) -> list[tuple[str, float]]:
+    """(SASS text, stall samples) of the instructions with the most samples, from a source page."""
+    return sorted(sampled_instructions(rows), key=lambda kv: -kv[1])[:top]
+
+
+WAIT = re.compile(r"SYNCS\.PHASECHK\S*TRYWAIT\s+\S+,\s*\[([^\]]+)\]")
+
+
+def by_opcode(rows: list[list[str]], top: int = 12) -> list[tuple[str, float]]:
+    """(opcode, stall samples) summed over a source page, largest first; a predicated BRA that
+    follows an mbarrier try-wait is 'wait [address]' of that barrier."""
+    counts: dict[str, float] = {}
+    previous = ""
+    for text, n in sampled_instructions(rows):
+        words = text.split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
+        wait = WAIT.search(previous)
+        key = f"wait [{wait.group(1)}]" if op == "BRA" and words[0].startswith("@") and wait else op.split(".")[0]
+        counts[key] = counts.get(key, 0.0) + n
+        previous = text
+    return sorted(((k, v) for k, v in counts.items() if v), key=lambda kv: -kv[1])[:top]
 
 
 def main() -> None:
@@ -64,10 +90,17 @@ def main() -> None:
         print(f"  {reason:32s} {share:6.1%}")
     if len(sys.argv) > 2:
         with open(sys.argv[2], newline="") as f:
-            hot = hot_instructions(list(csv.reader(f)))
+            source = list(csv.reader(f))
+        hot = hot_instructions(source)
         print("hottest SASS (stall samples):" if hot else "hottest SASS: no source page with sampling columns")
         for text, n in hot:
             print(f"  {n:8.0f}  {text}")
+        ops = by_opcode(source)
+        total = sum(n for _, n in sampled_instructions(source)) or 1.0
+        if ops:
+            print("stall samples by opcode (a spin on an mbarrier as 'wait [its address]'):")
+        for key, n in ops:
+            print(f"  {n:8.0f} {n / total:6.1%}  {key}")
 
 
 if __name__ == "__main__":

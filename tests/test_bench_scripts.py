@@ -121,3 +121,8 @@ def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
               ["0x20", "FFMA R1, R2, R3, R1", "12"], ["0x30", "BAR.SYNC 0x0", "456"]]
     assert ncu_summary.hot_instructions(source, top=2) == [("LDG.E R2, [R4.64]", 1234.0), ("BAR.SYNC 0x0", 456.0)]
     assert ncu_summary.hot_instructions([["# Address", "Source"], ["0x10", "NOP"]]) == []
+    spins = [["# Address", "Source", "Warp Stall Sampling (All Samples)"],
+             ["0x10", "SYNCS.PHASECHK.TRANS64.TRYWAIT P4, [UR33+0x30458], R152", "1"], ["0x20", "@!P4  BRA 0x7f00", "800"],
+             ["0x30", "@!P1  BRA 0x7f10", "50"], ["0x40", "FFMA R1, R2, R3, R1", "30"], ["0x50", "FFMA.FTZ R1, R2, R3, R1", "20"]]
+    assert ncu_summary.by_opcode(spins) == [("wait [UR33+0x30458]", 800.0), ("BRA", 50.0), ("FFMA", 50.0),
+                                            ("SYNCS", 1.0)]

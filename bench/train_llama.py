@@ -173,10 +173,11 @@ def watchdog(timeout: int) -> None:
 
 
 def lowering_failures(frame) -> None:
-    """Inductor formats a failed lowering's error message from its arguments' IR, which can
-    recurse for minutes (seen on the H200 with coda_compile): print, from each Inductor
-    `call_function` frame on the stack, the op being lowered and the exception it raised, with
-    that exception's innermost frames."""
+    """Inductor can spend minutes formatting an op's argument IR in `call_function` (torch
+    2.11 did it for every implicit fallback's log message: coda_compile, before
+    coda.runtime.inductor), and a failed lowering's error message is built the same way: print,
+    from each Inductor `call_function` frame on the stack, the op being lowered and, where one
+    is being handled, the exception it raised, with that exception's innermost frames."""
     import reprlib
     import traceback
 

@@ -165,8 +165,8 @@ class EpilogueEmitter:
                     continue
                 expr, dtype = self._load_operand(node)
                 name = f"v{nid}"
-                kind = self.kinds[node.name].kind
-                (self.row_loads if kind in (Kind.SCALAR, Kind.VEC_M) else self.loads).append(f"{name} = {expr}")
+                per_row = self.kinds[node.name].kind in (Kind.SCALAR, Kind.VEC_M)
+                (self.row_loads if per_row else self.loads).append(f"{name} = {expr}")
                 self.var[nid], self.dtype[nid] = name, dtype
             elif isinstance(node, ConstNode):
                 self.var[nid], self.dtype[nid] = _literal(node.value, self.ns), "f32"

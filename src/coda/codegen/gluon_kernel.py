@@ -3,7 +3,7 @@
 The epilogue body is the shared emitter's, in the Gluon dialect. What this module adds is the
 backend's own plumbing: the accumulator's split into epilogue subtiles, the layouts of half- and
 double-width values, the Tile-operand ring (slot waits and releases around the epilogue's
-loads), staging buffers for TMA stores and the partition list.
+loads), staging buffers for TMA stores, and the partition list.
 """
 
 from __future__ import annotations
@@ -93,16 +93,11 @@ def generate(graph: Graph, spec: Specialization) -> str:
                   "    mbarrier.init(e_empty.index(i), count=1)"]
 
     sub = spec.subtile
-    loop = spec.epilogue_loop and sub > 1
-
-    def subtile_columns(h: str) -> list[str]:
-        """off_n, offs_n, mask_n of subtile `h`."""
-        return ["off_n = pid_n * BLOCK_N" + ("" if h == "0" else f" + {h} * EPI_N"),
-                "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
 
     def subtile(h: str) -> list[str]:
         """The epilogue of subtile `h` (a literal index, or the loop's variable)."""
-        lines = subtile_columns(h)
+        lines = ["off_n = pid_n * BLOCK_N" + ("" if h == "0" else f" + {h} * EPI_N"),
+                 "offs_n = off_n + gl.arange(0, EPI_N, layout=COLS)", "mask_n = offs_n < N"]
         if partials_n(graph):
             lines.append(f"part_n = pid_n * {sub} + {h}")
         if stages:  # this subtile's staging buffers: successive subtiles of a consumer alternate
@@ -117,7 +112,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
         return lines + emitter.body + stores + reductions
 
     epilogue: list[str] = []
-    if loop:
+    if spec.epilogue_loop and sub > 1:
         # one copy of the code: the loop picks its subtile from the registers by selects
         pick = "acc_0"
         for h in range(1, sub):
@@ -140,8 +135,7 @@ def generate(graph: Graph, spec: Specialization) -> str:
                      "BLOCK_N, GROUP_M, NUM_SMS, EPI_N, E_STAGES, SPLIT_M)),")
         warps, regs = ", 1", ", 40"
 
-    rows = ["offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)", "mask_m = offs_m < M",
-            "rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
+    rows = ["rows = offs_m.to(gl.int64)" if spec.wide else "rows = offs_m"] + emitter.emit_rows()
     return fill({
         "kernel_name": kernel_name(graph),
         "epilogue_name": comment_name(graph),

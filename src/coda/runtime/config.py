@@ -34,7 +34,7 @@ def tile_load_bytes(cfg: "Config", width: Fraction, size: int) -> int:
     """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
     epilogue loader keeps a ring of `epi_stages` subtiles (one ring per consumer when they
     share tiles)."""
-    slots = cfg.epi_stages * (2 if cfg.cooperative else 1) if cfg.backend == "gluon-hopper" else 1
+    slots = cfg.epi_stages * cfg.split_m if cfg.backend == "gluon-hopper" else 1
     return slots * staging_bytes(cfg, width, size)
 
 
@@ -122,17 +122,22 @@ class Config(BaseModel):
         return self.block_n // self.subtile
 
     @property
+    def split_m(self) -> int:
+        """Consumers sharing each tile (gluon-hopper's SPLIT_M): all of them when cooperative."""
+        return GLUON_CONSUMERS if self.cooperative else 1
+
+    @property
     def epi_m(self) -> int:
         """Rows of one consumer's accumulator: the epilogue's tile height (its TMA boxes, its
         reduce_m partials)."""
-        return self.block_m // 2 if self.cooperative else self.block_m
+        return self.block_m // self.split_m
 
 
 def gluon_constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
     """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
     compile pass the same ones)."""
     return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
-            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS, "SPLIT_M": 2 if cfg.cooperative else 1}
+            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS, "SPLIT_M": cfg.split_m}
 
 
 def min_block_n(graph: Graph) -> int:

@@ -145,6 +145,8 @@ def _consumer(CID: gl.constexpr, a_bufs, b_bufs, ready, empty, turn, eturn,
         if PINGPONG:
             mbarrier.wait(eturn.index(CID), turn_phase)
         <<subtiles>>
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=ROWS)
+        mask_m = offs_m < M
         <<rows>>
         <<row_loads>>
         <<epilogue>>

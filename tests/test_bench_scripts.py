@@ -126,3 +126,70 @@ def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
              ["0x30", "@!P1  BRA 0x7f10", "50"], ["0x40", "FFMA R1, R2, R3, R1", "30"], ["0x50", "FFMA.FTZ R1, R2, R3, R1", "20"]]
     assert ncu_summary.by_opcode(spins) == [("wait [UR33+0x30458]", 800.0), ("BRA", 50.0), ("FFMA", 50.0),
                                             ("SYNCS", 1.0)]
+
+
+def _residual_norm_source() -> str:
+    from coda.codegen import generate
+    from coda.ops import epilogues as E
+    from coda.runtime import aot
+
+    graph = E.residual_norm_stats.graph
+    return generate(graph, aot.hopper_spec(graph, backend="gluon-hopper", subtile=4,
+                                           operand_dtypes={"residual": "bfloat16", "norm_weight": "bfloat16"}))
+
+
+def test_timeline_instruments_the_generated_gluon_source() -> None:
+    """bench/timeline.py's text patch: five clock marks and the operand-wait sum in the consumer,
+    the buffer threaded through; a template it does not recognize is an error, not a silent no-op."""
+    import ast
+
+    import timeline
+
+    text = _residual_norm_source()
+    out = timeline.instrument(text)
+    ast.parse(out)
+    assert out.count("%clock64") == 8  # t0..t4, and the zero, start and end of each operand wait
+    assert out.count("gl.store(TL + ") == len(timeline.POINTS)
+    assert "def _consumer(CID: gl.constexpr, TL, a_bufs," in out and out.count("(_consumer, (") == 2
+    assert out.count("(_consumer, (0, TL, ") == 1 and out.count("(_consumer, (1, TL, ") == 1
+    with pytest.raises(ValueError, match="template changed"):
+        timeline.instrument(text.replace("mbarrier.wait(eturn.index(CID), turn_phase)", "pass"))
+
+
+@pytest.mark.skipif(GPU, reason="the CPU tier's check (the GPU tier runs the script itself)")
+def test_timeline_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The instrumented kernels compile for sm_90 under both schedules (bench/timeline.py --aot)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root / 'bench'}"}
+    env.pop("CODA_BACKEND", None)
+    run = subprocess.run([sys.executable, str(root / "bench" / "timeline.py"), "--aot"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("clock reads in the PTX") == 2
+
+
+def test_timeline_and_host_step_tables(tmp_path: Path) -> None:
+    import json
+
+    import host_step
+    import timeline
+
+    row = {"case": "plain_d", "D": 64, "label": "default", "gemm": [64, 64, 64], "tiles_per_consumer": 2.0,
+           "config": "backend='gluon-hopper' block_m=128 block_n=256 num_stages=3 subtile=8 epi_stages=2 "
+                     "store_buffers=1 epilogue_loop=False cooperative=True",
+           "k_loop": 100.0, "ready_wait": None, "epilogue": 10.0, "turn_wait": 1.0, "eturn_wait": 2.0, "period": 120.0,
+           "sm_span": 250.0}
+    (tmp_path / "t.json").write_text(json.dumps([row]))
+    timeline.merge([tmp_path / "t.json"], tmp_path / "out", 64, "a note")
+    md = (tmp_path / "out" / "timeline_d64.md").read_text()
+    assert "| plain_d | [64, 64, 64] | default (cooperative 128x256, 3 stages, subtile 8, e2 b1) | 2.0 | 100 | - | 10 |" in md
+    assert "a note" in md
+    data = {"meta": {"gpu": "G", "torch": "T", "commit": "C"},
+            "rows": [{"D": 64, "variant": "coda_native", "timed_ms": 2.0, "graph_ms": None, "host_ms": 0.5}]}
+    (tmp_path / "host_step_d64.json").write_text(json.dumps(data))
+    host_step.merge(tmp_path / "host_step_d64.json", tmp_path / "out")
+    assert "| 64 | coda_native | 2.000 | - | 0.500 |" in (tmp_path / "out" / "host_step_d64.md").read_text()

@@ -1,0 +1,220 @@
+"""Where each consumer's time goes inside a gluon-hopper GEMM, tile by tile (H200).
+
+The generated kernel is instrumented (its source text, here only, never in the library):
+each consumer reads its SM's cycle counter (%clock64) at five points of every tile it runs
+
+    t0 before its K-loop turn, t1 K loop starts, t2 last MMA retired,
+    t3 epilogue turn taken (epilogue starts), t4 epilogue done
+
+and the cycles its K loop spent waiting for operands (the ring's ready barriers),
+and writes them to a [programs, 2, MAX_TILES, 6] int64 buffer. Per case the script prints,
+averaged over tiles and SMs, the K loop (t2 - t1), the epilogue (t4 - t3), the waits for
+either turn (t1 - t0, t3 - t2), and the cycles between a consumer's successive tiles, so a
+fused GEMM can be read against the plain GEMM of its shape: which part grew, by how much.
+
+    python bench/timeline.py --out DIR [--cases residual_norm_stats,plain_d] [--d 2048]
+    python bench/timeline.py --aot    # CPU: the instrumented kernels compile for sm_90
+    python bench/timeline.py --merge A.json B.json --out bench/results/timeline --note "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+POINTS = ("t0", "t1", "t2", "t3", "t4", "ready_wait")
+F = len(POINTS)
+MAX_TILES = 96
+_CLOCK = ('gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, '
+          'pack=1)')
+
+
+def instrument(text: str) -> str:
+    """The generated gluon-hopper source with the clock reads of every consumer tile."""
+    def sub(old: str, new: str, count: int = 1) -> None:
+        nonlocal text
+        if text.count(old) != count:
+            raise ValueError(f"timeline: the template changed ({old.strip()[:60]!r} found {text.count(old)} times)")
+        text = text.replace(old, new)
+
+    def mark(i: int, value: str = _CLOCK, indent: str = "        ") -> str:
+        return (f"{indent}if own < {MAX_TILES}:\n"
+                f"{indent}    gl.store(TL + ((gl.program_id(0) * 2 + CID) * {MAX_TILES} + own) * {F} + {i}, {value})\n")
+
+    sub("    a_src, b_src, M, N, K,\n", "    a_src, b_src, M, N, K, TL,\n")
+    sub("def _consumer(CID: gl.constexpr, a_bufs,", "def _consumer(CID: gl.constexpr, TL, a_bufs,")
+    sub("(_consumer, (0, a_bufs,", "(_consumer, (0, TL, a_bufs,")
+    sub("(_consumer, (1, a_bufs,", "(_consumer, (1, TL, a_bufs,")
+    sub("        if PINGPONG:\n            mbarrier.wait(turn.index(CID), turn_phase)\n",
+        mark(0) + "        if PINGPONG:\n            mbarrier.wait(turn.index(CID), turn_phase)\n" + mark(1)
+        + f"        ready_wait = {_CLOCK} * 0\n")  # an int64 zero of the clock's type
+    sub("            mbarrier.wait(ready.index(s), (c // STAGES) & 1)\n",
+        f"            wait_from = {_CLOCK}\n            mbarrier.wait(ready.index(s), (c // STAGES) & 1)\n"
+        f"            ready_wait += {_CLOCK} - wait_from\n")
+    sub("        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n",
+        "        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n" + mark(2) + mark(5, "ready_wait"))
+    sub("        if PINGPONG:\n            mbarrier.wait(eturn.index(CID), turn_phase)\n",
+        "        if PINGPONG:\n            mbarrier.wait(eturn.index(CID), turn_phase)\n" + mark(3))
+    sub("        if PINGPONG:\n            mbarrier.arrive(eturn.index(1 - CID), count=1)\n",
+        mark(4) + "        if PINGPONG:\n            mbarrier.arrive(eturn.index(1 - CID), count=1)\n")
+    return text
+
+
+def _patch_generate(module) -> None:
+    real = module.generate
+
+    def generate(graph, spec):
+        text = real(graph, spec)
+        return instrument(text) if spec.backend == "gluon-hopper" else text
+
+    module.generate = generate
+
+
+def aot_check() -> None:
+    """Compile the instrumented residual+norm GEMM for sm_90 under both schedules (no GPU)."""
+    from coda.ops import epilogues as E
+    from coda.runtime import aot
+
+    _patch_generate(aot)
+    real_signature = aot._signature
+
+    def signature(graph, spec, cfg):
+        sig, constexprs = real_signature(graph, spec, cfg)
+        sig = {**{k: v for k, v in list(sig.items())[:5]}, "TL": "*i64", **dict(list(sig.items())[5:])}
+        return sig, constexprs
+
+    aot._signature = signature
+    import epilogue_cost
+
+    graph = E.residual_norm_stats.graph
+    for label in ("sub4 e2 b1", "coop sub8"):
+        cfg = epilogue_cost._config(label)
+        spec = aot.hopper_spec(graph, backend="gluon-hopper", subtile=cfg.subtile,
+                               operand_dtypes={"residual": "bfloat16", "norm_weight": "bfloat16"})
+        clocks = aot.compile_hopper(graph, spec, cfg).ptx.count("%clock64")
+        print(f"residual_norm_stats {label}: {clocks} clock reads in the PTX")
+        if clocks < 2 * len(POINTS):
+            raise AssertionError(f"{label}: {clocks} clock reads in the PTX, expected both consumers' "
+                                 f"{len(POINTS)} points at least")
+
+
+def run_case(name: str, m: int, d: int, f: int, label: str) -> dict:
+    """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's)."""
+    import torch
+
+    from coda.runtime import launch, plan
+    import epilogue_cost
+
+    ep, a, b, ops = epilogue_cost._case(name, m, d, f)
+    graph = launch.PLAIN if ep is None else ep.graph
+    sms = torch.cuda.get_device_properties(0).multi_processor_count  # programs <= SMs; unused rows stay 0
+    buf = torch.zeros(sms * 2 * MAX_TILES * F, dtype=torch.int64, device="cuda")
+    real_launch = plan.Plan._launch
+
+    def _launch(self, args):
+        args["TL"] = buf
+        return real_launch(self, args)
+
+    plan.Plan._launch = _launch
+    try:
+        os.environ["CODA_BACKEND"] = "gluon-hopper"
+        cfg = None if label == "default" else epilogue_cost._config(label)
+        for _ in range(3):
+            launch.run(graph, a, b, ops, config=cfg)
+        torch.cuda.synchronize()
+        cfg = cfg or launch.chosen_config(graph, a, b, ops)
+    finally:
+        plan.Plan._launch = real_launch
+    t = buf.view(sms, 2, MAX_TILES, F).cpu()
+    ran = [p for p in range(sms) if bool((t[p, :, :, 4] != 0).any())]
+    spans = {"turn_wait": (0, 1), "k_loop": (1, 2), "eturn_wait": (2, 3), "epilogue": (3, 4)}
+    out: dict[str, object] = {"case": name, "D": d, "label": label, "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
+    for key, (i, j) in spans.items():
+        vals = [int(t[p, c, k, j] - t[p, c, k, i]) for p in ran for c in range(2) for k in range(MAX_TILES)
+                if t[p, c, k, 0] != 0 and t[p, c, k, 4] != 0]
+        out[key] = statistics.mean(vals) if vals else None
+    waits = [int(t[p, c, k, 5]) for p in ran for c in range(2) for k in range(MAX_TILES) if t[p, c, k, 4] != 0]
+    out["ready_wait"] = statistics.mean(waits) if waits else None
+    periods = [int(t[p, c, k + 1, 1] - t[p, c, k, 1]) for p in ran for c in range(2) for k in range(MAX_TILES - 1)
+               if t[p, c, k + 1, 1] != 0 and t[p, c, k, 1] != 0]
+    out["period"] = statistics.mean(periods) if periods else None
+    out["tiles_per_consumer"] = statistics.mean(int((t[p, c, :, 4] != 0).sum()) for p in ran for c in range(2))
+    ends = [int(t[p, :, :, 4].max() - t[p, :, :, 0][t[p, :, :, 0] != 0].min()) for p in ran]
+    out["sm_span"] = statistics.mean(ends)
+    return out
+
+
+COLUMNS = ("k_loop", "ready_wait", "epilogue", "turn_wait", "eturn_wait", "period", "sm_span")
+
+
+def table(rows: list[dict]) -> str:
+    """Cycles per consumer tile (averages) and per SM, one line per (case, config)."""
+    lines = ["| case | GEMM [M, N, K] | config | tiles per consumer | " + " | ".join(COLUMNS) + " |",
+             "|---|---|---|---|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [f"{r[c]:.0f}" if r.get(c) is not None else "-" for c in COLUMNS]
+        lines.append(f"| {r['case']} | {r['gemm']} | {r['label']} ({_schedule(r['config'])}) | "
+                     f"{r['tiles_per_consumer']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _schedule(config: str) -> str:
+    coop = "cooperative=True" in config
+    fields = dict(kv.split("=", 1) for kv in config.split() if "=" in kv)
+    return (f"{'cooperative' if coop else 'ping-pong'} {fields.get('block_m')}x{fields.get('block_n')}, "
+            f"{fields.get('num_stages')} stages, subtile {fields.get('subtile')}, e{fields.get('epi_stages')} "
+            f"b{fields.get('store_buffers')}{', loop' if 'epilogue_loop=True' in config else ''}")
+
+
+def merge(paths: list[Path], out: Path, d: int, note: str | None) -> None:
+    rows = [r for p in paths for r in json.loads(p.read_text())]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"timeline_d{d}.json").write_text(json.dumps(rows, indent=1))
+    md = ["# timeline", "", "Per consumer tile of gluon-hopper GEMMs (bench/timeline.py): SM cycles (%clock64) "
+          "averaged over every tile of every SM; k_loop = t2 - t1, ready_wait = the K loop's waits on its "
+          "operands (inside k_loop; the previous MMA runs meanwhile), epilogue = t4 - t3, turn_wait = t1 - t0, "
+          "eturn_wait = t3 - t2, period = between a consumer's successive K-loop starts, sm_span = first t0 "
+          "to last t4 on an SM.", "", *([note, ""] if note else []), table(rows), ""]
+    (out / f"timeline_d{d}.md").write_text("\n".join(md))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--aot", action="store_true")
+    ap.add_argument("--merge", type=Path, nargs="+", help="write <out>/timeline_d<D>.{json,md} from measured JSONs")
+    ap.add_argument("--note")
+    ap.add_argument("--cases", default="plain_d,residual_norm_stats,rmsnorm_backward_residual,rms_rope,"
+                                       "plain_swiglu_shape,swiglu_backward_zdz")
+    ap.add_argument("--configs", default="default", help="epilogue_cost config labels, comma-separated")
+    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--f", type=int, default=8192)
+    args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out, args.d, args.note)
+    # the instrumented sources never go to the shared kernel cache (its key does not know them)
+    os.environ["CODA_CACHE_DIR"] = tempfile.mkdtemp(prefix="coda-timeline-")
+    if args.aot:
+        aot_check()
+        return
+    from coda.runtime import cache
+
+    _patch_generate(cache)
+    rows = []
+    for name in args.cases.split(","):
+        for label in args.configs.split(","):
+            row = run_case(name, args.m, args.d, args.f, label)
+            rows.append(row)
+            print("  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"timeline_d{args.d}.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -59,19 +59,19 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
         return None, rand(m, kd), rand(d, kd, scale=kd**-0.5).T, {}
     if name == "residual_norm_stats":
         return (E.residual_norm_stats, rand(m, kd), rand(d, kd, scale=kd**-0.5).T,
-                {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device="cuda"))})
+                {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device=harness.DEVICE))})
     if name == "rmsnorm_backward_residual":
         k = k or 3 * d // 2  # the QKV width of 32/8 heads
         return (E.rmsnorm_backward_residual, rand(m, k), rand(k, d, scale=k**-0.5),
-                {"grad": rand(m, d), "x": rand(m, d), "norm_weight": 1 + 0.1 * torch.randn(d, device="cuda"),
-                 "rstd": torch.rand(m, device="cuda") + 0.5, "zdz_over_d": torch.randn(m, device="cuda") * 0.01})
+                {"grad": rand(m, d), "x": rand(m, d), "norm_weight": 1 + 0.1 * torch.randn(d, device=harness.DEVICE),
+                 "rstd": torch.rand(m, device=harness.DEVICE) + 0.5, "zdz_over_d": torch.randn(m, device=harness.DEVICE) * 0.01})
     if name == "rms_swiglu":
-        return E.rms_swiglu, rand(m, kd), rand(2 * f, kd, scale=kd**-0.5).T, {"rstd": torch.rand(m, device="cuda") + 0.5}
+        return E.rms_swiglu, rand(m, kd), rand(2 * f, kd, scale=kd**-0.5).T, {"rstd": torch.rand(m, device=harness.DEVICE) + 0.5}
     if name == "rms_rope":
         q = 3 * d // 2
         return (E.rms_rope, rand(m, kd), rand(q, kd, scale=kd**-0.5).T,
-                {"rstd": torch.rand(m, device="cuda") + 0.5, "pos": torch.arange(m, device="cuda") % 4096,
-                 "freq": torch.rand(q // 2, device="cuda") * 0.5})
+                {"rstd": torch.rand(m, device=harness.DEVICE) + 0.5, "pos": torch.arange(m, device=harness.DEVICE) % 4096,
+                 "freq": torch.rand(q // 2, device=harness.DEVICE) * 0.5})
     raise ValueError(name)
 
 
@@ -92,6 +92,13 @@ CONFIGS = {
     "sub8 e2 b2": dict(subtile=8, store_buffers=2),
     "sub4 loop": dict(subtile=4, epilogue_loop=True),
     "sub8 loop": dict(subtile=8, epilogue_loop=True),
+    "sub4 loop b2": dict(subtile=4, epilogue_loop=True, store_buffers=2),
+    "sub4 st5 b2": dict(subtile=4, num_stages=5, store_buffers=2),
+    "sub4 loop g16": dict(subtile=4, epilogue_loop=True, group_m=16),
+    "sub4 loop g4": dict(subtile=4, epilogue_loop=True, group_m=4),
+    "sub8 loop st5": dict(subtile=8, epilogue_loop=True, num_stages=5),
+    "sub8 st5": dict(subtile=8, num_stages=5),
+    "sub8 st6": dict(subtile=8, num_stages=6),
     "sub4 e2 ptr-stores": dict(subtile=4, tma_store=False),
     # the K loop's side: a deeper operand ring (latency of operands that miss L2), tile order
     "sub4 st5": dict(subtile=4, num_stages=5),

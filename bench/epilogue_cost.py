@@ -43,6 +43,16 @@ def swiglu_stores_only(acc):
     return {"dz": coda.interleave(acc, acc * 2.0), "y": acc}
 
 
+@coda.epilogue
+def swiglu_math_only(acc):
+    """The SwiGLU backward's arithmetic on the accumulator alone (acc plays gate and up), stored
+    as one plain output: its instructions without its memory traffic."""
+    s = coda.sigmoid(acc)
+    dgate = acc * acc * s * (1.0 + acc * (1.0 - s))
+    dup = acc * acc * s
+    return acc * dgate + acc * dup + acc * s * acc
+
+
 def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     """(epilogue, a, b, operands) of one block GEMM at D=d, FFN=f (b = W.T, nn.Linear layout);
     `k` replaces the GEMM's inner size (64: the epilogue alone, next to a negligible K loop)."""
@@ -53,6 +63,8 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
         return swiglu_loads_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
     if name == "swiglu_stores_only":
         return swiglu_stores_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
+    if name == "swiglu_math_only":
+        return swiglu_math_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
     if name == "plain_swiglu_shape":
         return None, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {}
     if name == "plain_d":  # the residual/RMSNorm GEMMs' [M, D] output with no epilogue (for ncu beside them)
@@ -75,8 +87,8 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     raise ValueError(name)
 
 
-CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "plain_swiglu_shape", "plain_d",
-         "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope"]
+CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "swiglu_math_only", "plain_swiglu_shape",
+         "plain_d", "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope"]
 BASE = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
 CONFIGS = {
     "sub4 e2 b1": dict(subtile=4),

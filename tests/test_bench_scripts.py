@@ -193,3 +193,13 @@ def test_timeline_and_host_step_tables(tmp_path: Path) -> None:
     (tmp_path / "host_step_d64.json").write_text(json.dumps(data))
     host_step.merge(tmp_path / "host_step_d64.json", tmp_path / "out")
     assert "| 64 | coda_native | 2.000 | - | 0.500 |" in (tmp_path / "out" / "host_step_d64.md").read_text()
+
+
+def test_epilogue_cost_cases(cpu_harness) -> None:
+    """Every bench/epilogue_cost.py case passes its fp32 check (tiny shapes, the Triton config)."""
+    import epilogue_cost
+
+    rows = epilogue_cost.measure(48, 32, 48, epilogue_cost.CASES, ["triton"])
+    assert cpu_harness.NOTES == []
+    assert sorted(r["case"] for r in rows) == sorted(epilogue_cost.CASES)
+    assert all(r["err"] < 2e-2 for r in rows)

@@ -13,6 +13,7 @@ either turn (t1 - t0, t3 - t2), and the cycles between a consumer's successive t
 fused GEMM can be read against the plain GEMM of its shape: which part grew, by how much.
 
     python bench/timeline.py --out DIR [--cases residual_norm_stats,plain_d] [--d 2048]
+    python bench/timeline.py --out DIR --variant no_ring_fence   # the same kernels less one fence
     python bench/timeline.py --aot    # CPU: the instrumented kernels compile for sm_90
     python bench/timeline.py --merge A.json B.json --out bench/results/timeline --note "..."
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -64,22 +66,39 @@ def instrument(text: str) -> str:
     return text
 
 
-def _patch_generate(module) -> None:
+def no_ring_fence(text: str) -> str:
+    """The source less the proxy fences around the epilogue ring's release (the consumer's,
+    before it arrives on a slot's empty barrier, and the loader's, before it refills one).
+    Each costs the consumer a MEMBAR.ALL.CTA in sm_90 SASS, which waits for every global load
+    and store it has in flight (the vector operands' loads issued just before). CUTLASS's sm90
+    epilogue releases a slot it read through shared loads without a fence: an experiment."""
+    release = re.compile(r"^( *)fence_async_shared\(\)\n(\1mbarrier\.arrive\(e_empty\.)", re.M)
+    text, n = release.subn(r"\2", text)
+    loader = "                fence_async_shared()  # the consumer's shared loads of this slot before the copies\n"
+    if n == 0 or text.count(loader) != 1:
+        raise ValueError(f"timeline: no ring fence to remove ({n} releases, {text.count(loader)} loader fences)")
+    return text.replace(loader, "")
+
+
+VARIANTS = {"as_generated": lambda text: text, "no_ring_fence": no_ring_fence}
+
+
+def _patch_generate(module, variant: str = "as_generated") -> None:
     real = module.generate
 
     def generate(graph, spec):
         text = real(graph, spec)
-        return instrument(text) if spec.backend == "gluon-hopper" else text
+        return instrument(VARIANTS[variant](text)) if spec.backend == "gluon-hopper" else text
 
     module.generate = generate
 
 
-def aot_check() -> None:
+def aot_check(variant: str) -> None:
     """Compile the instrumented residual+norm GEMM for sm_90 under both schedules (no GPU)."""
     from coda.ops import epilogues as E
     from coda.runtime import aot
 
-    _patch_generate(aot)
+    _patch_generate(aot, variant)
     real_signature = aot._signature
 
     def signature(graph, spec, cfg):
@@ -102,7 +121,7 @@ def aot_check() -> None:
                                  f"{len(POINTS)} points at least")
 
 
-def run_case(name: str, m: int, d: int, f: int, label: str) -> dict:
+def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dict:
     """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's)."""
     import torch
 
@@ -132,7 +151,7 @@ def run_case(name: str, m: int, d: int, f: int, label: str) -> dict:
     t = buf.view(sms, 2, MAX_TILES, F).cpu()
     ran = [p for p in range(sms) if bool((t[p, :, :, 4] != 0).any())]
     spans = {"turn_wait": (0, 1), "k_loop": (1, 2), "eturn_wait": (2, 3), "epilogue": (3, 4)}
-    out: dict[str, object] = {"case": name, "D": d, "label": label, "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
+    out: dict[str, object] = {"case": name, "D": d, "label": label, "variant": variant, "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
     for key, (i, j) in spans.items():
         vals = [int(t[p, c, k, j] - t[p, c, k, i]) for p in ran for c in range(2) for k in range(MAX_TILES)
                 if t[p, c, k, 0] != 0 and t[p, c, k, 4] != 0]
@@ -157,7 +176,8 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|" + "---|" * len(COLUMNS)]
     for r in rows:
         cells = [f"{r[c]:.0f}" if r.get(c) is not None else "-" for c in COLUMNS]
-        lines.append(f"| {r['case']} | {r['gemm']} | {r['label']} ({_schedule(r['config'])}) | "
+        variant = "" if r.get("variant", "as_generated") == "as_generated" else f", {r['variant']}"
+        lines.append(f"| {r['case']} | {r['gemm']} | {r['label']} ({_schedule(r['config'])}{variant}) | "
                      f"{r['tiles_per_consumer']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -191,6 +211,7 @@ def main() -> None:
     ap.add_argument("--cases", default="plain_d,residual_norm_stats,rmsnorm_backward_residual,rms_rope,"
                                        "plain_swiglu_shape,swiglu_backward_zdz")
     ap.add_argument("--configs", default="default", help="epilogue_cost config labels, comma-separated")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="as_generated", help="a change to the generated source")
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--f", type=int, default=8192)
@@ -200,15 +221,15 @@ def main() -> None:
     # the instrumented sources never go to the shared kernel cache (its key does not know them)
     os.environ["CODA_CACHE_DIR"] = tempfile.mkdtemp(prefix="coda-timeline-")
     if args.aot:
-        aot_check()
+        aot_check(args.variant)
         return
     from coda.runtime import cache
 
-    _patch_generate(cache)
+    _patch_generate(cache, args.variant)
     rows = []
     for name in args.cases.split(","):
         for label in args.configs.split(","):
-            row = run_case(name, args.m, args.d, args.f, label)
+            row = run_case(name, args.m, args.d, args.f, label, args.variant)
             rows.append(row)
             print("  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.out:

@@ -154,10 +154,19 @@ def test_timeline_instruments_the_generated_gluon_source() -> None:
     assert out.count("(_consumer, (0, TL, ") == 1 and out.count("(_consumer, (1, TL, ") == 1
     with pytest.raises(ValueError, match="template changed"):
         timeline.instrument(text.replace("mbarrier.wait(eturn.index(CID), turn_phase)", "pass"))
+    # the no_ring_fence variant drops the four subtiles' release fences and the loader's, not the
+    # fences before the TMA stores
+    assert text.count("fence_async_shared()") == 9
+    lean = timeline.no_ring_fence(text)
+    assert lean.count("fence_async_shared()") == 4 and lean.count("mbarrier.arrive(e_empty.") == 4
+    ast.parse(lean)
+    with pytest.raises(ValueError, match="no ring fence"):
+        timeline.no_ring_fence(lean)
 
 
 @pytest.mark.skipif(GPU, reason="the CPU tier's check (the GPU tier runs the script itself)")
-def test_timeline_kernels_compile_for_sm90(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["as_generated", "no_ring_fence"])
+def test_timeline_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:
     """The instrumented kernels compile for sm_90 under both schedules (bench/timeline.py --aot)."""
     import os
     import subprocess
@@ -166,8 +175,8 @@ def test_timeline_kernels_compile_for_sm90(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
            "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root / 'bench'}"}
     env.pop("CODA_BACKEND", None)
-    run = subprocess.run([sys.executable, str(root / "bench" / "timeline.py"), "--aot"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(root / "bench" / "timeline.py"), "--aot", "--variant", variant], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("clock reads in the PTX") == 2
 

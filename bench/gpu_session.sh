@@ -7,8 +7,9 @@
 #   4. (profile) where the ops' time goes, kernel by kernel (bench/profile_ops.py)
 #   5. (train) end-to-end training steps per variant, each in its own process (bench/train_llama.py;
 #      TRAIN_ARGS picks models, shapes and variants, e.g. "--models 1b --shapes 2x4096 --variants coda,hf_eager")
+#   6. (timeline) the per-tile timelines of docs/DESIGN.md's next experiments (bench/timeline.py, ~3 min)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
-#   bash bench/gpu_session.sh tests | epilogues | ops | profile   (several steps may share one device call:
+#   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
 #   cache adds the tuning, about 4 min for ops. Each step stops after STEP_TIMEOUT (540) seconds, a device
 #   call's limit being 600; with no argument tests, epilogues and ops run)
@@ -39,7 +40,16 @@ for step in $steps; do
                | tee "$OUT/profile.log" | grep -v Warning | tail -80 ;;
     train) timeout ${STEP_TIMEOUT:-570} python3 bench/train_llama.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 \
              | grep -v '^\[coda tune\]   \[' | tee "$OUT/train.log" | grep '^\[train_llama\]' | tail -40 ;;
-    *) echo "unknown step $step (tests, epilogues, ops, profile, train)"; exit 2 ;;
+    timeline)
+      swiglu=plain_swiglu_shape,swiglu_loads_only,swiglu_stores_only,swiglu_math_only,swiglu_backward_zdz
+      fused=residual_norm_stats,rmsnorm_backward_residual,rms_rope,swiglu_backward_zdz
+      { timeout 200 python3 bench/timeline.py --out "$OUT/timeline_parts" --configs "sub4 loop" --cases $swiglu
+        timeout 100 python3 bench/timeline.py --out "$OUT/timeline_ptr" --configs "sub4 e2 b1,sub4 e2 ptr-stores" \
+          --cases plain_d,residual_norm_stats
+        timeout 200 python3 bench/timeline.py --out "$OUT/timeline_fence" --cases $fused
+        timeout 200 python3 bench/timeline.py --out "$OUT/timeline_nofence" --variant no_ring_fence --cases $fused
+      } 2>&1 | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee "$OUT/timeline.log" ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

@@ -1,7 +1,8 @@
 """Is the block's forward+backward bound by the host? (H200)
 
-For each variant of the block at D (bench/ops_block.block_case): the step timed as the suites
-time it (do_bench median), the same step replayed as one CUDA graph (the GPU's own time), and
+For each variant of the block at D (bench/ops_block.block_case), checked against its fp32
+reference first: the step timed as the suites time it (do_bench median), the same step
+replayed as one CUDA graph (the GPU's own time), and
 the host's time to enqueue one step while the GPU is kept busy (no waiting on the GPU), with
 the host functions that take it (cProfile, coda's variants).
 
@@ -23,7 +24,8 @@ import torch
 
 import harness
 from harness import log
-from ops_block import block_case, fwd_bwd
+from block_kernels import WIDTHS
+from ops_block import block_case, fwd_bwd, max_err
 
 
 def enqueue_ms(fn, steps: int = 8) -> float:
@@ -64,7 +66,7 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def merge(path: Path, out: Path) -> None:
+def merge(path: Path, out: Path, note: str | None = None) -> None:
     data = json.loads(path.read_text())
     out.mkdir(parents=True, exist_ok=True)
     (out / path.name).write_text(json.dumps(data, indent=1))
@@ -72,7 +74,7 @@ def merge(path: Path, out: Path) -> None:
     md = [f"# {path.stem}", "", f"{m['gpu']}, torch {m['torch']}, commit {m['commit']}; M=8192, bf16, the block "
           "forward+backward of bench/ops_block.py. timed: do_bench median; CUDA-graph replay: the same step "
           "captured once; host: the CPU's time to enqueue one step while the GPU is kept busy. coda's host "
-          "profile (cProfile, 8 steps, by own time) is in the JSON.", "", table(data), ""]
+          "profile (cProfile, 8 steps, by own time) is in the JSON.", "", *([note, ""] if note else []), table(data), ""]
     (out / f"{path.stem}.md").write_text("\n".join(md))
 
 
@@ -80,27 +82,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--merge", type=Path, help="write <out>/<name>.{json,md} from a measured JSON")
+    ap.add_argument("--note", help="with --merge: a line for the page")
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--f", type=int, default=0)
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--variants", default="coda_native,eager,liger")
     args = ap.parse_args()
     if args.merge:
-        return merge(args.merge, args.out)
-    f = args.f or {2048: 8192, 4096: 14336}[args.d]
-    case = block_case(args.m, args.d, f)
+        return merge(args.merge, args.out, args.note)
+    if not args.f and args.d not in WIDTHS:
+        ap.error(f"--d {args.d}: give --f (the FFN width); known: {WIDTHS}")
+    case = block_case(args.m, args.d, args.f or WIDTHS[args.d])
+    refs = (case["ref"], *case["refg"])
     fns = {"coda_native": fwd_bwd(case["ours_native"], case["native_params"], case["go"])}
+    checks = {"coda_native": case["native_error"]}
     for name in ("eager", "liger", "coda"):
         if name in case["impls"]:
             fns[name] = fwd_bwd(case["impls"][name], case["params"], case["go"])
+            checks[name] = lambda result: max_err(result, refs)
     rows = []
     for name in args.variants.split(","):
         if name not in fns:
             log(f"{name}: not available")
             continue
         fn = fns[name]
-        fn()
-        row = {"D": args.d, "variant": name, "timed_ms": harness.timed(fn), "host_ms": enqueue_ms(fn)}
+        err = checks[name](fn())
+        if not err < 2e-2:
+            log(f"{name}: error {err:.3g} against fp32, not timed")
+            continue
+        row = {"D": args.d, "variant": name, "err": err, "timed_ms": harness.timed(fn), "host_ms": enqueue_ms(fn)}
         if name.startswith("coda"):
             pr = cProfile.Profile()
             torch.cuda._sleep(2_000_000_000)

@@ -122,11 +122,13 @@ def aot_check(variant: str) -> None:
 
 
 def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dict:
-    """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's)."""
+    """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's),
+    after its result passes the fp32 check."""
     import torch
 
     from coda.runtime import launch, plan
     import epilogue_cost
+    from harness import gemm_error, gemm_reference
 
     ep, a, b, ops = epilogue_cost._case(name, m, d, f)
     graph = launch.PLAIN if ep is None else ep.graph
@@ -142,7 +144,10 @@ def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dic
     try:
         os.environ["CODA_BACKEND"] = "gluon-hopper"
         cfg = None if label == "default" else epilogue_cost._config(label)
-        for _ in range(3):
+        err = gemm_error(launch.run(graph, a, b, ops, config=cfg), gemm_reference(graph, a, b, ops))
+        if not err < 2e-2:
+            raise AssertionError(f"{name} {label} {variant}: error {err:.3g} against fp32")
+        for _ in range(2):  # the buffer keeps the last launch's clocks
             launch.run(graph, a, b, ops, config=cfg)
         torch.cuda.synchronize()
         cfg = cfg or launch.chosen_config(graph, a, b, ops)
@@ -151,7 +156,7 @@ def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dic
     t = buf.view(sms, 2, MAX_TILES, F).cpu()
     ran = [p for p in range(sms) if bool((t[p, :, :, 4] != 0).any())]
     spans = {"turn_wait": (0, 1), "k_loop": (1, 2), "eturn_wait": (2, 3), "epilogue": (3, 4)}
-    out: dict[str, object] = {"case": name, "D": d, "label": label, "variant": variant, "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
+    out: dict[str, object] = {"case": name, "D": d, "label": label, "variant": variant, "err": err, "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
     for key, (i, j) in spans.items():
         vals = [int(t[p, c, k, j] - t[p, c, k, i]) for p in ran for c in range(2) for k in range(MAX_TILES)
                 if t[p, c, k, 0] != 0 and t[p, c, k, 4] != 0]

@@ -122,7 +122,8 @@ def aot_check(variant: str) -> None:
 
 
 def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dict:
-    """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's),
+    """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's
+    untuned default),
     after its result passes the fp32 check."""
     import torch
 
@@ -223,8 +224,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge, args.out, args.d, args.note)
-    # the instrumented sources never go to the shared kernel cache (its key does not know them)
+    # the instrumented sources never go to the shared kernel cache (its key does not know them),
+    # and "default" is the untuned default config (tuning would time instrumented kernels)
     os.environ["CODA_CACHE_DIR"] = tempfile.mkdtemp(prefix="coda-timeline-")
+    os.environ["CODA_AUTOTUNE"] = "0"
     if args.aot:
         aot_check(args.variant)
         return

@@ -72,18 +72,19 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     if name == "residual_norm_stats":
         return (E.residual_norm_stats, rand(m, kd), rand(d, kd, scale=kd**-0.5).T,
                 {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device=harness.DEVICE))})
+    dev = harness.DEVICE
     if name == "rmsnorm_backward_residual":
         k = k or 3 * d // 2  # the QKV width of 32/8 heads
         return (E.rmsnorm_backward_residual, rand(m, k), rand(k, d, scale=k**-0.5),
-                {"grad": rand(m, d), "x": rand(m, d), "norm_weight": 1 + 0.1 * torch.randn(d, device=harness.DEVICE),
-                 "rstd": torch.rand(m, device=harness.DEVICE) + 0.5, "zdz_over_d": torch.randn(m, device=harness.DEVICE) * 0.01})
+                {"grad": rand(m, d), "x": rand(m, d), "norm_weight": 1 + 0.1 * torch.randn(d, device=dev),
+                 "rstd": torch.rand(m, device=dev) + 0.5, "zdz_over_d": torch.randn(m, device=dev) * 0.01})
     if name == "rms_swiglu":
-        return E.rms_swiglu, rand(m, kd), rand(2 * f, kd, scale=kd**-0.5).T, {"rstd": torch.rand(m, device=harness.DEVICE) + 0.5}
+        return E.rms_swiglu, rand(m, kd), rand(2 * f, kd, scale=kd**-0.5).T, {"rstd": torch.rand(m, device=dev) + 0.5}
     if name == "rms_rope":
         q = 3 * d // 2
         return (E.rms_rope, rand(m, kd), rand(q, kd, scale=kd**-0.5).T,
-                {"rstd": torch.rand(m, device=harness.DEVICE) + 0.5, "pos": torch.arange(m, device=harness.DEVICE) % 4096,
-                 "freq": torch.rand(q // 2, device=harness.DEVICE) * 0.5})
+                {"rstd": torch.rand(m, device=dev) + 0.5, "pos": torch.arange(m, device=dev) % 4096,
+                 "freq": torch.rand(q // 2, device=dev) * 0.5})
     raise ValueError(name)
 
 

@@ -74,7 +74,8 @@ def merge(path: Path, out: Path, note: str | None = None) -> None:
     md = [f"# {path.stem}", "", f"{m['gpu']}, torch {m['torch']}, commit {m['commit']}; M=8192, bf16, the block "
           "forward+backward of bench/ops_block.py. timed: do_bench median; CUDA-graph replay: the same step "
           "captured once; host: the CPU's time to enqueue one step while the GPU is kept busy. coda's host "
-          "profile (cProfile, 8 steps, by own time) is in the JSON.", "", *([note, ""] if note else []), table(data), ""]
+          "profile (cProfile, 8 steps, by own time) is in the JSON.", "", *([note, ""] if note else []),
+          table(data), ""]
     (out / f"{path.stem}.md").write_text("\n".join(md))
 
 
@@ -124,11 +125,13 @@ def main() -> None:
             row["profile_tottime"] = buf.getvalue()
         row["graph_ms"] = graph_ms(fn)
         rows.append(row)
-        log(f"D={args.d} {name:12s} timed {row['timed_ms']:.3f} ms, graph {row['graph_ms']}, host {row['host_ms']:.3f} ms")
+        log(f"D={args.d} {name:12s} timed {row['timed_ms']:.3f} ms, graph {row['graph_ms']}, "
+            f"host {row['host_ms']:.3f} ms")
         if "profile_tottime" in row:
             print(row["profile_tottime"])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"host_step_d{args.d}.json").write_text(json.dumps({"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": harness.commit()}, "rows": rows}, indent=1))
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": harness.commit()}
+    (args.out / f"host_step_d{args.d}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

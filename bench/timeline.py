@@ -157,7 +157,8 @@ def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dic
     t = buf.view(sms, 2, MAX_TILES, F).cpu()
     ran = [p for p in range(sms) if bool((t[p, :, :, 4] != 0).any())]
     spans = {"turn_wait": (0, 1), "k_loop": (1, 2), "eturn_wait": (2, 3), "epilogue": (3, 4)}
-    out: dict[str, object] = {"case": name, "D": d, "label": label, "variant": variant, "err": err, "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
+    out: dict[str, object] = {"case": name, "D": d, "label": label, "variant": variant, "err": err,
+                              "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
     for key, (i, j) in spans.items():
         vals = [int(t[p, c, k, j] - t[p, c, k, i]) for p in ran for c in range(2) for k in range(MAX_TILES)
                 if t[p, c, k, 0] != 0 and t[p, c, k, 4] != 0]
@@ -217,7 +218,8 @@ def main() -> None:
     ap.add_argument("--cases", default="plain_d,residual_norm_stats,rmsnorm_backward_residual,rms_rope,"
                                        "plain_swiglu_shape,swiglu_backward_zdz")
     ap.add_argument("--configs", default="default", help="epilogue_cost config labels, comma-separated")
-    ap.add_argument("--variant", choices=sorted(VARIANTS), default="as_generated", help="a change to the generated source")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="as_generated",
+                    help="a change to the generated source")
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--f", type=int, default=8192)
@@ -239,7 +241,8 @@ def main() -> None:
         for label in args.configs.split(","):
             row = run_case(name, args.m, args.d, args.f, label, args.variant)
             rows.append(row)
-            print("  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print("  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"timeline_d{args.d}.json").write_text(json.dumps(rows, indent=1))

@@ -195,7 +195,8 @@ def test_timeline_and_host_step_tables(tmp_path: Path) -> None:
     (tmp_path / "t.json").write_text(json.dumps([row]))
     timeline.merge([tmp_path / "t.json"], tmp_path / "out", 64, "a note")
     md = (tmp_path / "out" / "timeline_d64.md").read_text()
-    assert "| plain_d | [64, 64, 64] | default (cooperative 128x256, 3 stages, subtile 8, e2 b1) | 2.0 | 100 | - | 10 |" in md
+    schedule = "cooperative 128x256, 3 stages, subtile 8, e2 b1"
+    assert f"| plain_d | [64, 64, 64] | default ({schedule}) | 2.0 | 100 | - | 10 |" in md
     assert "a note" in md
     data = {"meta": {"gpu": "G", "torch": "T", "commit": "C"},
             "rows": [{"D": 64, "variant": "coda_native", "timed_ms": 2.0, "graph_ms": None, "host_ms": 0.5}]}

@@ -57,6 +57,7 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     """(epilogue, a, b, operands) of one block GEMM at D=d, FFN=f (b = W.T, nn.Linear layout);
     `k` replaces the GEMM's inner size (64: the epilogue alone, next to a negligible K loop)."""
     kd = k or d
+    dev = harness.DEVICE
     if name == "swiglu_backward_zdz":
         return E.swiglu_backward_zdz, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
     if name == "swiglu_loads_only":
@@ -71,8 +72,7 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
         return None, rand(m, kd), rand(d, kd, scale=kd**-0.5).T, {}
     if name == "residual_norm_stats":
         return (E.residual_norm_stats, rand(m, kd), rand(d, kd, scale=kd**-0.5).T,
-                {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device=harness.DEVICE))})
-    dev = harness.DEVICE
+                {"residual": rand(m, d), "norm_weight": (1 + 0.1 * torch.randn(d, device=dev))})
     if name == "rmsnorm_backward_residual":
         k = k or 3 * d // 2  # the QKV width of 32/8 heads
         return (E.rmsnorm_backward_residual, rand(m, k), rand(k, d, scale=k**-0.5),

@@ -28,14 +28,19 @@ from block_kernels import WIDTHS
 from ops_block import block_case, fwd_bwd, max_err
 
 
-def enqueue_ms(fn, steps: int = 8) -> float:
-    """Host ms per step with the GPU busy far longer than the host needs (it never waits)."""
+def enqueue_ms(fn, steps: int = 8, profile: cProfile.Profile | None = None) -> float:
+    """Host ms per step with the GPU busy far longer than the host needs (it never waits),
+    under `profile` when one is given."""
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spin ahead of the steps
+    if profile is not None:
+        profile.enable()
     t = time.perf_counter()
     for _ in range(steps):
         fn()
     host = (time.perf_counter() - t) / steps * 1e3
+    if profile is not None:
+        profile.disable()
     torch.cuda.synchronize()
     return host
 
@@ -112,14 +117,9 @@ def main() -> None:
             log(f"{name}: error {err:.3g} against fp32, not timed")
             continue
         row = {"D": args.d, "variant": name, "err": err, "timed_ms": harness.timed(fn), "host_ms": enqueue_ms(fn)}
-        if name.startswith("coda"):
+        if name.startswith("coda"):  # a second, profiled pass: the profiler slows the host down
             pr = cProfile.Profile()
-            torch.cuda._sleep(2_000_000_000)
-            pr.enable()
-            for _ in range(8):
-                fn()
-            pr.disable()
-            torch.cuda.synchronize()
+            enqueue_ms(fn, profile=pr)
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
             row["profile_tottime"] = buf.getvalue()

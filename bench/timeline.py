@@ -37,15 +37,15 @@ _CLOCK = ('gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl
 
 def instrument(text: str) -> str:
     """The generated gluon-hopper source with the clock reads of every consumer tile."""
-    def sub(old: str, new: str, count: int = 1) -> None:
+    def sub(old: str, new: str) -> None:
         nonlocal text
-        if text.count(old) != count:
+        if text.count(old) != 1:
             raise ValueError(f"timeline: the template changed ({old.strip()[:60]!r} found {text.count(old)} times)")
         text = text.replace(old, new)
 
-    def mark(i: int, value: str = _CLOCK, indent: str = "        ") -> str:
-        return (f"{indent}if own < {MAX_TILES}:\n"
-                f"{indent}    gl.store(TL + ((gl.program_id(0) * 2 + CID) * {MAX_TILES} + own) * {F} + {i}, {value})\n")
+    def mark(i: int, value: str = _CLOCK) -> str:
+        return (f"        if own < {MAX_TILES}:\n"
+                f"            gl.store(TL + ((gl.program_id(0) * 2 + CID) * {MAX_TILES} + own) * {F} + {i}, {value})\n")
 
     sub("    a_src, b_src, M, N, K,\n", "    a_src, b_src, M, N, K, TL,\n")
     sub("def _consumer(CID: gl.constexpr, a_bufs,", "def _consumer(CID: gl.constexpr, TL, a_bufs,")
@@ -103,10 +103,10 @@ def aot_check(variant: str) -> None:
     _patch_generate(aot, variant)
     real_signature = aot._signature
 
-    def signature(graph, spec, cfg):
+    def signature(graph, spec, cfg):  # TL follows a_src, b_src, M, N, K, as in the kernel's parameters
         sig, constexprs = real_signature(graph, spec, cfg)
-        sig = {**{k: v for k, v in list(sig.items())[:5]}, "TL": "*i64", **dict(list(sig.items())[5:])}
-        return sig, constexprs
+        items = list(sig.items())
+        return dict(items[:5] + [("TL", "*i64")] + items[5:]), constexprs
 
     aot._signature = signature
     import epilogue_cost
@@ -125,8 +125,7 @@ def aot_check(variant: str) -> None:
 
 def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dict:
     """One case's per-tile spans under one config (epilogue_cost's labels; "default": the runtime's
-    untuned default),
-    after its result passes the fp32 check."""
+    untuned default), after its result passes the fp32 check."""
     import torch
 
     from coda.runtime import launch, plan
@@ -156,23 +155,27 @@ def run_case(name: str, m: int, d: int, f: int, label: str, variant: str) -> dic
         cfg = cfg or launch.chosen_config(graph, a, b, ops)
     finally:
         plan.Plan._launch = real_launch
-    t = buf.view(sms, 2, MAX_TILES, F).cpu()
-    ran = [p for p in range(sms) if bool((t[p, :, :, 4] != 0).any())]
-    spans = {"turn_wait": (0, 1), "k_loop": (1, 2), "eturn_wait": (2, 3), "epilogue": (3, 4)}
     out: dict[str, object] = {"case": name, "D": d, "label": label, "variant": variant, "err": err,
                               "gemm": [a.shape[0], b.shape[1], a.shape[1]], "config": str(cfg)}
-    for key, (i, j) in spans.items():
-        vals = [int(t[p, c, k, j] - t[p, c, k, i]) for p in ran for c in range(2) for k in range(MAX_TILES)
-                if t[p, c, k, 0] != 0 and t[p, c, k, 4] != 0]
-        out[key] = statistics.mean(vals) if vals else None
-    waits = [int(t[p, c, k, 5]) for p in ran for c in range(2) for k in range(MAX_TILES) if t[p, c, k, 4] != 0]
-    out["ready_wait"] = statistics.mean(waits) if waits else None
-    periods = [int(t[p, c, k + 1, 1] - t[p, c, k, 1]) for p in ran for c in range(2) for k in range(MAX_TILES - 1)
-               if t[p, c, k + 1, 1] != 0 and t[p, c, k, 1] != 0]
+    return {**out, **summarize(buf.view(sms, 2, MAX_TILES, F).tolist())}
+
+
+def summarize(records: list) -> dict[str, float | None]:
+    """Averages of the clock records [program][consumer][tile][point]. A tile's record is whole
+    once its t4 is written (no clock reads 0); a consumer's tiles are in the order it ran them."""
+    consumers = [[[row for row in tiles if row[4]] for tiles in pair] for pair in records]
+    ran = [pair for pair in consumers if pair[0] or pair[1]]  # the programs that ran any tile
+    runs = [run for pair in ran for run in pair]
+    tiles = [row for run in runs for row in run]
+    spans = {"turn_wait": (0, 1), "k_loop": (1, 2), "eturn_wait": (2, 3), "epilogue": (3, 4)}
+    out: dict[str, float | None] = {key: statistics.mean(row[j] - row[i] for row in tiles) if tiles else None
+                                    for key, (i, j) in spans.items()}
+    out["ready_wait"] = statistics.mean(row[5] for row in tiles) if tiles else None
+    periods = [nxt[1] - row[1] for run in runs for row, nxt in zip(run, run[1:])]
     out["period"] = statistics.mean(periods) if periods else None
-    out["tiles_per_consumer"] = statistics.mean(int((t[p, c, :, 4] != 0).sum()) for p in ran for c in range(2))
-    ends = [int(t[p, :, :, 4].max() - t[p, :, :, 0][t[p, :, :, 0] != 0].min()) for p in ran]
-    out["sm_span"] = statistics.mean(ends)
+    out["tiles_per_consumer"] = statistics.mean(len(run) for run in runs)
+    out["sm_span"] = statistics.mean(max(row[4] for run in pair for row in run)
+                                     - min(row[0] for run in pair for row in run) for pair in ran)
     return out
 
 

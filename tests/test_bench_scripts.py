@@ -128,14 +128,14 @@ def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
                                             ("SYNCS", 1.0)]
 
 
-def _residual_norm_source() -> str:
+def _gluon_source(name: str, **operand_dtypes: str) -> str:
+    """The gluon-hopper source of a block epilogue, 32-column subtiles."""
     from coda.codegen import generate
     from coda.ops import epilogues as E
     from coda.runtime import aot
 
-    graph = E.residual_norm_stats.graph
-    return generate(graph, aot.hopper_spec(graph, backend="gluon-hopper", subtile=4,
-                                           operand_dtypes={"residual": "bfloat16", "norm_weight": "bfloat16"}))
+    graph = getattr(E, name).graph
+    return generate(graph, aot.hopper_spec(graph, backend="gluon-hopper", subtile=4, operand_dtypes=operand_dtypes))
 
 
 def test_timeline_instruments_the_generated_gluon_source() -> None:
@@ -145,7 +145,7 @@ def test_timeline_instruments_the_generated_gluon_source() -> None:
 
     import timeline
 
-    text = _residual_norm_source()
+    text = _gluon_source("residual_norm_stats", residual="bfloat16", norm_weight="bfloat16")
     out = timeline.instrument(text)
     ast.parse(out)
     assert out.count("%clock64") == 8  # t0..t4, and the zero, start and end of each operand wait
@@ -162,12 +162,7 @@ def test_timeline_instruments_the_generated_gluon_source() -> None:
     ast.parse(lean)
     with pytest.raises(ValueError, match="no ring fence"):
         timeline.no_ring_fence(lean)
-    from coda.codegen import generate
-    from coda.ops import epilogues as E
-    from coda.runtime import aot
-
-    rope = E.rms_rope.graph  # no Tile operand, so no epilogue ring: left as it is
-    ringless = generate(rope, aot.hopper_spec(rope, backend="gluon-hopper", subtile=4))
+    ringless = _gluon_source("rms_rope")  # no Tile operand, so no epilogue ring: left as it is
     assert "e_empty" not in ringless and timeline.no_ring_fence(ringless) == ringless
 
 
@@ -210,6 +205,19 @@ def test_timeline_and_host_step_tables(tmp_path: Path) -> None:
     (tmp_path / "host_step_d64.json").write_text(json.dumps(data))
     host_step.merge(tmp_path / "host_step_d64.json", tmp_path / "out")
     assert "| 64 | coda_native | 2.000 | - | 0.500 |" in (tmp_path / "out" / "host_step_d64.md").read_text()
+
+
+def test_timeline_summary_of_clock_records() -> None:
+    """bench/timeline.py's averages over [program][consumer][tile][point] clock records: unwritten
+    tiles (zeros) and programs that ran nothing are left out."""
+    import timeline
+
+    empty = [0] * len(timeline.POINTS)
+    records = [[[[10, 20, 50, 60, 70, 6], [80, 90, 120, 130, 150, 9], empty], [[15, 55, 85, 95, 110, 3], empty, empty]],
+               [[empty] * 3, [empty] * 3]]
+    assert timeline.summarize(records) == {
+        "turn_wait": 20, "k_loop": 30, "eturn_wait": 10, "epilogue": 15, "ready_wait": 6, "period": 70,
+        "tiles_per_consumer": 1.5, "sm_span": 140}
 
 
 def test_epilogue_cost_cases(cpu_harness) -> None:

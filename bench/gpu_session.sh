@@ -7,7 +7,8 @@
 #   4. (profile) where the ops' time goes, kernel by kernel (bench/profile_ops.py)
 #   5. (train) end-to-end training steps per variant, each in its own process (bench/train_llama.py;
 #      TRAIN_ARGS picks models, shapes and variants, e.g. "--models 1b --shapes 2x4096 --variants coda,hf_eager")
-#   6. (timeline) the per-tile timelines of docs/DESIGN.md's next experiments (bench/timeline.py, ~3 min)
+#   6. (timeline) per-tile timelines of the block's fused GEMMs, as generated and with each of
+#      template v4's changes undone (bench/timeline.py variants, ~4 min)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -41,13 +42,11 @@ for step in $steps; do
     train) timeout ${STEP_TIMEOUT:-570} python3 bench/train_llama.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 \
              | grep -v '^\[coda tune\]   \[' | tee "$OUT/train.log" | grep '^\[train_llama\]' | tail -40 ;;
     timeline)
-      swiglu=plain_swiglu_shape,swiglu_loads_only,swiglu_stores_only,swiglu_math_only,swiglu_backward_zdz
-      fused=residual_norm_stats,rmsnorm_backward_residual,rms_rope,swiglu_backward_zdz
-      { timeout 200 python3 bench/timeline.py --out "$OUT/timeline_parts" --configs "sub4 loop" --cases $swiglu
-        timeout 100 python3 bench/timeline.py --out "$OUT/timeline_ptr" --configs "sub4 e2 b1,sub4 e2 ptr-stores" \
-          --cases plain_d,residual_norm_stats
-        timeout 200 python3 bench/timeline.py --out "$OUT/timeline_fence" --cases $fused
-        timeout 200 python3 bench/timeline.py --out "$OUT/timeline_nofence" --variant no_ring_fence --cases $fused
+      fused=residual_norm_stats,rmsnorm_backward_residual,rms_rope,rms_swiglu,swiglu_backward_zdz
+      { timeout 170 python3 bench/timeline.py --out "$OUT/timeline_v4" --cases $fused
+        timeout 170 python3 bench/timeline.py --out "$OUT/timeline_late" --variant late_eturn --cases $fused
+        timeout 100 python3 bench/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
+          --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee "$OUT/timeline.log" ;;
     *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline)"; exit 2 ;;
   esac

@@ -13,7 +13,7 @@ either turn (t1 - t0, t3 - t2), and the cycles between a consumer's successive t
 fused GEMM can be read against the plain GEMM of its shape: which part grew, by how much.
 
     python bench/timeline.py --out DIR [--cases residual_norm_stats,plain_d] [--d 2048]
-    python bench/timeline.py --out DIR --variant no_ring_fence   # the same kernels less one fence
+    python bench/timeline.py --out DIR --variant late_eturn   # the same kernels, one change undone
     python bench/timeline.py --aot    # CPU: the instrumented kernels compile for sm_90
     python bench/timeline.py --merge A.json B.json --out bench/results/timeline --note "..."
 """
@@ -61,28 +61,38 @@ def instrument(text: str) -> str:
         "        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n" + mark(2) + mark(5, "ready_wait"))
     sub("        if PINGPONG:\n            mbarrier.wait(eturn.index(CID), turn_phase)\n",
         "        if PINGPONG:\n            mbarrier.wait(eturn.index(CID), turn_phase)\n" + mark(3))
-    sub("        if PINGPONG:\n            mbarrier.arrive(eturn.index(1 - CID), count=1)\n",
-        mark(4) + "        if PINGPONG:\n            mbarrier.arrive(eturn.index(1 - CID), count=1)\n")
+    sub("        local += 2 if PINGPONG else 1\n", mark(4) + "        local += 2 if PINGPONG else 1\n")
     return text
 
 
-def no_ring_fence(text: str) -> str:
-    """The source less the proxy fences around the epilogue ring's release (the consumer's,
-    before it arrives on a slot's empty barrier, and the loader's, before it refills one).
-    Each costs the consumer a MEMBAR.ALL.CTA in sm_90 SASS, which waits for every global load
-    and store it has in flight (the vector operands' loads issued just before). CUTLASS's sm90
-    epilogue releases a slot it read through shared loads without a fence: an experiment."""
-    if "e_empty" not in text:  # no epilogue ring (no Tile operand read through TMA): nothing to drop
+_HANDOFF = re.compile(r"^( *)if PINGPONG:\n\1    mbarrier\.arrive\(eturn\.index\(1 - CID\), count=1(, pred=[^\n]*)?\)\n",
+                      re.M)
+
+
+def late_eturn(text: str) -> str:
+    """The source with the epilogue turn handed on at the epilogue's end (template v3) instead of
+    after the epilogue ring's HANDOFF wait: what the early handoff gains."""
+    text, n = _HANDOFF.subn("", text)
+    end = "        local += 2 if PINGPONG else 1\n"
+    if n == 0 or text.count(end) != 1:
+        raise ValueError(f"timeline: no eturn handoff to move ({n} found)")
+    return text.replace(end, "        if PINGPONG:\n            mbarrier.arrive(eturn.index(1 - CID), count=1)\n" + end)
+
+
+def exact_sigmoid(text: str) -> str:
+    """The source with Triton's sigmoid (jit_helpers._sigmoid: exp and division with their
+    subnormal range checks) in place of gluon_helpers' approximate flush-to-zero one."""
+    anchor = "from coda.templates.gluon_helpers import "
+    if text.count(anchor) != 1:
+        raise ValueError("timeline: the template changed (its gluon_helpers import)")
+    if "_sigmoid(" not in text:  # an epilogue without a sigmoid: nothing to replace
         return text
-    release = re.compile(r"^( *)fence_async_shared\(\)\n(\1mbarrier\.arrive\(e_empty\.)", re.M)
-    text, n = release.subn(r"\2", text)
-    loader = "                fence_async_shared()  # the consumer's shared loads of this slot before the copies\n"
-    if n == 0 or text.count(loader) != 1:
-        raise ValueError(f"timeline: no ring fence to remove ({n} releases, {text.count(loader)} loader fences)")
-    return text.replace(loader, "")
+    line_end = text.index("\n", text.index(anchor)) + 1
+    return (text[:line_end] + "from coda.templates import jit_helpers as _jh\n"
+            + "_sigmoid = gluon.jit(_jh._sigmoid.fn)\n" + text[line_end:])
 
 
-VARIANTS = {"as_generated": lambda text: text, "no_ring_fence": no_ring_fence}
+VARIANTS = {"as_generated": lambda text: text, "late_eturn": late_eturn, "exact_sigmoid": exact_sigmoid}
 
 
 def _patch_generate(module, variant: str = "as_generated") -> None:
@@ -96,7 +106,8 @@ def _patch_generate(module, variant: str = "as_generated") -> None:
 
 
 def aot_check(variant: str) -> None:
-    """Compile the instrumented residual+norm GEMM for sm_90 under both schedules (no GPU)."""
+    """Compile instrumented GEMMs for sm_90 (no GPU): residual+norm under both schedules, and the
+    SwiGLU backward (an epilogue ring, a sigmoid, the loop form)."""
     from coda.ops import epilogues as E
     from coda.runtime import aot
 
@@ -111,13 +122,15 @@ def aot_check(variant: str) -> None:
     aot._signature = signature
     import epilogue_cost
 
-    graph = E.residual_norm_stats.graph
-    for label in ("sub4 e2 b1", "coop sub8"):
-        cfg = epilogue_cost._config(label)
+    bf16 = {"residual": "bfloat16", "norm_weight": "bfloat16", "z": "bfloat16"}
+    for name, label in (("residual_norm_stats", "sub4 e2 b1"), ("residual_norm_stats", "coop sub8"),
+                        ("swiglu_backward_zdz", "sub4 loop")):
+        graph, cfg = getattr(E, name).graph, epilogue_cost._config(label)
         spec = aot.hopper_spec(graph, backend="gluon-hopper", subtile=cfg.subtile,
-                               operand_dtypes={"residual": "bfloat16", "norm_weight": "bfloat16"})
+                               operand_dtypes={s.name: bf16[s.name] for s in graph.operands})
+        spec = spec.model_copy(update={"epilogue_loop": cfg.epilogue_loop})
         clocks = aot.compile_hopper(graph, spec, cfg).ptx.count("%clock64")
-        print(f"residual_norm_stats {label}: {clocks} clock reads in the PTX")
+        print(f"{name} {label}: {clocks} clock reads in the PTX")
         if clocks < 2 * len(POINTS):
             raise AssertionError(f"{label}: {clocks} clock reads in the PTX, expected both consumers' "
                                  f"{len(POINTS)} points at least")

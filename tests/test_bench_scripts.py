@@ -154,20 +154,30 @@ def test_timeline_instruments_the_generated_gluon_source() -> None:
     assert out.count("(_consumer, (0, TL, ") == 1 and out.count("(_consumer, (1, TL, ") == 1
     with pytest.raises(ValueError, match="template changed"):
         timeline.instrument(text.replace("mbarrier.wait(eturn.index(CID), turn_phase)", "pass"))
-    # the no_ring_fence variant drops the four subtiles' release fences and the loader's, not the
-    # fences before the TMA stores
-    assert text.count("fence_async_shared()") == 9
-    lean = timeline.no_ring_fence(text)
-    assert lean.count("fence_async_shared()") == 4 and lean.count("mbarrier.arrive(e_empty.") == 4
-    ast.parse(lean)
-    with pytest.raises(ValueError, match="no ring fence"):
-        timeline.no_ring_fence(lean)
-    ringless = _gluon_source("rms_rope")  # no Tile operand, so no epilogue ring: left as it is
-    assert "e_empty" not in ringless and timeline.no_ring_fence(ringless) == ringless
+    # late_eturn moves the epilogue turn's handoff from after the ring wait of subtile HANDOFF (one
+    # predicated arrive per subtile in the unrolled form) back to the tile's end
+    assert text.count("mbarrier.arrive(eturn.index(1 - CID), count=1, pred=") == 4
+    late = timeline.late_eturn(text)
+    ast.parse(late)
+    assert "pred=" not in late.split("def _consumer", 1)[1].split("eturn.index(1 - CID)", 1)[1].split("\n", 1)[0]
+    assert late.count("mbarrier.arrive(eturn.index(1 - CID)") == 1
+    assert late.index("mbarrier.arrive(eturn.index(1 - CID)") > late.index("tma.async_copy_shared_to_global")
+    assert timeline.late_eturn(late) == late
+    with pytest.raises(ValueError, match="no eturn handoff"):
+        timeline.late_eturn(text.replace("mbarrier.arrive(eturn.", "mbarrier.arrive(turn."))
+    ringless = _gluon_source("rms_rope")  # no epilogue ring: the handoff comes right after the turn
+    assert ringless.count("mbarrier.arrive(eturn.index(1 - CID), count=1)\n") == 1
+    late = timeline.late_eturn(ringless)
+    assert late.index("mbarrier.arrive(eturn.index(1 - CID)") > late.index("tma.async_copy_shared_to_global")
+    # exact_sigmoid swaps in Triton's sigmoid where the epilogue has one, and leaves others alone
+    swiglu = _gluon_source("swiglu_backward_zdz", z="bfloat16")
+    exact = timeline.exact_sigmoid(swiglu)
+    ast.parse(exact)
+    assert "_sigmoid = gluon.jit(_jh._sigmoid.fn)" in exact and timeline.exact_sigmoid(text) == text
 
 
 @pytest.mark.skipif(GPU, reason="the CPU tier's check (the GPU tier runs the script itself)")
-@pytest.mark.parametrize("variant", ["as_generated", "no_ring_fence"])
+@pytest.mark.parametrize("variant", ["as_generated", "late_eturn", "exact_sigmoid"])
 def test_timeline_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:
     """The instrumented kernels compile for sm_90 under both schedules (bench/timeline.py --aot)."""
     import os
@@ -180,7 +190,7 @@ def test_timeline_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None
     run = subprocess.run([sys.executable, str(root / "bench" / "timeline.py"), "--aot", "--variant", variant], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count("clock reads in the PTX") == 2
+    assert run.stdout.count("clock reads in the PTX") == 3
 
 
 def test_timeline_and_host_step_tables(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
-"""The Triton helpers of `jit_helpers`, re-wrapped for Gluon kernels: one source for both.
-
-They are elementwise or scalar code with no layouts, which Gluon compiles as it is (Gluon's
-own standard library imports Triton's the same way).
+"""The helpers Gluon kernels import: most are `jit_helpers`' Triton functions re-wrapped (one
+source for both dialects: elementwise or scalar code with no layouts, which Gluon compiles as it
+is, as Gluon's own standard library imports Triton's). `_sigmoid` is Gluon's own, in PTX
+approximations that Triton's interpreter (which runs the Triton template) could not execute.
 """
 
 from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from . import jit_helpers
 
@@ -13,10 +14,31 @@ def _as_gluon(fn):
     return gluon.jit(fn.fn)
 
 
-_sigmoid = _as_gluon(jit_helpers._sigmoid)
 _tanh = _as_gluon(jit_helpers._tanh)
 _tile_coords = _as_gluon(jit_helpers._tile_coords)
 _trig = _as_gluon(jit_helpers._trig)
+
+
+@gluon.jit
+def _sigmoid(x):
+    # 1 / (1 + 2**(-x log2(e))) with the approximate flush-to-zero ex2: Triton's exp (as in
+    # jit_helpers._sigmoid) adds a range check and two multiplies for subnormal results, which
+    # here are only ever added to 1. The division stays Triton's (div.full: within 2 ulp, scaled
+    # for a huge 1 + e). The SwiGLU backward's sm_90 kernel: 3848 instructions -> 3560; with
+    # rcp.approx for the division as well, 3360 but 24 bytes of spills.
+    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
+                                  dtype=gl.float32, is_pure=True, pack=1)
+    return 1.0 / (1.0 + e)
+
+
+@gluon.constexpr_function
+def _eturn_handoff(subtile, e_stages):
+    """The subtile after whose epilogue-ring wait a ping-pong consumer lets the other consumer
+    start its epilogue. The other's first ring slot is `subtile` indices past this tile's first,
+    and an mbarrier tells phases apart by parity alone, so that slot's previous use (`e_stages`
+    indices back) must have been filled, which this consumer's wait on it proves. Handing over
+    earlier than the tile's end lets the two epilogues overlap where an epilogue outlasts a K loop."""
+    return max(0, int(subtile) - int(e_stages))
 
 
 @gluon.constexpr_function

@@ -106,3 +106,19 @@ def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype) -> None:
 def test_rowwise_rejects_non_matrices() -> None:
     with pytest.raises(ValueError, match="rms_prep: x must be 2-D"):
         rowwise.rms_prep(torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE), 1e-6)
+
+
+def test_rowwise_names_a_tensor_on_the_wrong_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor the kernels cannot read is an error that names it and says what to do, not
+    Triton's launch error: CPU tensors when kernels run on the GPU, others under the interpreter."""
+    x, g = torch.randn(4, 8), torch.ones(8)
+    monkeypatch.setattr(rowwise, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"rms_prep: x is on cpu; coda's kernels run on the GPU, move it to cuda"):
+        rowwise.rms_prep(x, g, 1e-6)
+    monkeypatch.setattr(rowwise, "interpreting", lambda: True)
+    with pytest.raises(ValueError, match=r"rms_prep: norm_weight is on meta, but kernels run in Triton's interpreter"):
+        rowwise.rms_prep(x, g.to("meta"), 1e-6)
+    with pytest.raises(ValueError, match=r"rms_input_grad: c is on meta"):
+        rowwise.rms_input_grad(x, x, torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match=r"cross_entropy_: logits is on meta"):
+        rowwise.cross_entropy_(torch.empty(4, 8, device="meta"), torch.zeros(4, dtype=torch.long), torch.ones(4))

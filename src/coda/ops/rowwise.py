@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..runtime import interpreting
 from ..runtime.device import num_programs
+from ..runtime.validate import check_kernel_device
 from ..templates.jit_helpers import _bf16_rne, _trig
 
 
@@ -145,6 +146,7 @@ def _rows(t: torch.Tensor, what: str) -> torch.Tensor:
     """A 2-D tensor whose rows are contiguous (the kernels walk columns with unit stride)."""
     if t.dim() != 2:
         raise ValueError(f"{what} must be 2-D, got shape {tuple(t.shape)}")
+    check_kernel_device(what, t, interpreting())
     return t if t.stride(1) == 1 else t.contiguous()
 
 
@@ -152,7 +154,16 @@ def _vector(t: torch.Tensor, length: int, what: str) -> torch.Tensor:
     """A contiguous [length] tensor (the kernels index vectors with unit stride)."""
     if tuple(t.shape) != (length,):
         raise ValueError(f"{what} must have shape [{length}], got {list(t.shape)}")
+    check_kernel_device(what, t, interpreting())
     return t.contiguous()
+
+
+def _weight(g: torch.Tensor, d: int, what: str) -> torch.Tensor:
+    """A [d] norm weight, read as it is (it may be strided or expanded)."""
+    if g.shape != (d,):
+        raise ValueError(f"{what} must have shape [{d}], got {list(g.shape)}")
+    check_kernel_device(what, g, interpreting())
+    return g
 
 
 def rms_prep(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,8 +171,7 @@ def rms_prep(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[to
     (F.rms_norm's output), in one pass. norm_weight may be strided or expanded."""
     x = _rows(x, "rms_prep: x")
     m, d = x.shape
-    if norm_weight.shape != (d,):
-        raise ValueError(f"rms_prep: norm_weight must have shape [{d}], got {list(norm_weight.shape)}")
+    norm_weight = _weight(norm_weight, d, "rms_prep: norm_weight")
     h = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if m:
@@ -193,8 +203,7 @@ def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
     m, d = x.shape
     if dy.shape != x.shape:
         raise ValueError(f"rms_backward: dy {list(dy.shape)} and x {list(x.shape)} must have one shape")
-    if norm_weight.shape != (d,):
-        raise ValueError(f"rms_backward: norm_weight must have shape [{d}], got {list(norm_weight.shape)}")
+    norm_weight = _weight(norm_weight, d, "rms_backward: norm_weight")
     rstd = _vector(rstd, m, "rms_backward: rstd")
     programs = max(1, min(m, 4 * num_programs(x.device)))
     rows = triton.cdiv(m, programs)
@@ -215,6 +224,7 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
     in place, the cross-entropy gradient per unit loss. Two reads and one write of the logits."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("cross_entropy_: logits must be 2-D with contiguous rows")
+    check_kernel_device("cross_entropy_: logits", logits, interpreting())
     m, v = logits.shape
     if m > 1 and logits.stride(0) < v:
         raise ValueError("cross_entropy_: logits rows overlap (an expanded view?); they are written in place")

@@ -70,13 +70,20 @@ def _check_matrix(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def check_kernel_device(what: str, t: torch.Tensor, interpret: bool) -> None:
+    """Kernels read CPU tensors under the interpreter and CUDA tensors otherwise; say which, not
+    Triton's launch error (a CPU tensor on a machine with a GPU is the usual case)."""
+    if interpret and t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}, but kernels run in Triton's interpreter (CPU tensors)")
+    if not interpret and t.device.type != "cuda":
+        raise ValueError(f"{what} is on {t.device}; coda's kernels run on the GPU, move it to cuda "
+                         "(or set TRITON_INTERPRET=1 before importing coda to run them on the CPU)")
+
+
 def check_device(what: str, t: torch.Tensor, device: torch.device, interpret: bool) -> None:
     if t.device != device:
         raise ValueError(f"coda.gemm: {what} is on {t.device}, but a is on {device}; put all tensors on one device")
-    if interpret and t.device.type != "cpu":
-        raise ValueError(f"coda.gemm: {what} is on {t.device}, but kernels run in Triton's interpreter (CPU tensors)")
-    if not interpret and t.device.type != "cuda":
-        raise ValueError(f"coda.gemm: {what} is on {t.device}; kernels run on the GPU, move it to cuda")
+    check_kernel_device(f"coda.gemm: {what}", t, interpret)
 
 
 def validate(

@@ -8,7 +8,9 @@ rows:  every GEMM coda runs in one forward+backward of the block (native weights
 sweep: (--sweep) the gluon-hopper kernels again under other tile configs.
 block: sol_graph (the 12 bare cuBLAS GEMMs back to back in one CUDA graph), coda (standard
        weights), coda_native, eager, compile_default, compile_max_autotune_no_cudagraphs, liger;
-       forward+backward, each checked against fp32 first.
+       forward+backward, each checked against fp32 first; coda_native_graph, the coda_native step
+       replayed as one CUDA graph (no host, no allocator), and per timed row the cudaMalloc calls
+       made while it was timed (each synchronizes the device with the host).
 
     python bench/block_kernels.py --out DIR [--d 2048,4096] [--sweep] [--no-peers]
     python bench/block_kernels.py --merge DIR/block_kernels.json --out bench/results
@@ -133,6 +135,11 @@ def _sol_graph(fwd: list, bwd: list) -> float:
     return harness.timed(graph.replay)
 
 
+def _device_allocs() -> int:
+    """cudaMalloc calls so far: one during a timed step synchronizes the device with the host."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0)
+
+
 def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, save) -> list[dict]:
     """The block rows; `save(rows)` after each, so a run stopped by its time limit keeps what it measured."""
     case = block_case(m, d, f)
@@ -154,9 +161,17 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
             err = checks[name](fn())
             if not err < 2e-2:
                 raise AssertionError(f"error {err:.3g} vs fp32")
-            out.append({"D": d, "FFN": f, "M": m, "variant": name, "ms": harness.timed(fn), "err": err})
+            allocs = _device_allocs()
+            out.append({"D": d, "FFN": f, "M": m, "variant": name, "ms": harness.timed(fn), "err": err,
+                        "device_allocs": _device_allocs() - allocs})
             save(out)
-            log(f"  block D={d} {name:40s} {out[-1]['ms']:8.3f} ms")
+            log(f"  block D={d} {name:40s} {out[-1]['ms']:8.3f} ms ({out[-1]['device_allocs']} cudaMalloc while timed)")
+            if name == "coda_native":  # the same step as one CUDA graph: no host, no allocator
+                ms = harness.graph_ms(fn)
+                if ms is not None:
+                    out.append({"D": d, "FFN": f, "M": m, "variant": "coda_native_graph", "ms": ms})
+                    save(out)
+                    log(f"  block D={d} {'coda_native_graph':40s} {ms:8.3f} ms")
         except Exception as exc:  # noqa: BLE001
             NOTES.append(f"block D={d} {name}: {type(exc).__name__}: {str(exc)[:200]}")
     if peers:

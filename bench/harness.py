@@ -51,6 +51,24 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 
 
+def graph_ms(fn) -> float | None:
+    """The step captured once into a CUDA graph (outputs and grads reused) and replayed."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return timed(g.replay)
+    except Exception as exc:  # noqa: BLE001
+        log(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+
 def record(op: str, shape: tuple[int, int, int], variant: str, fn, check=None) -> None:
     """Check fn's result with `check(result) -> error` (must be < 2e-2), then time it."""
     m, n, k = shape

@@ -45,24 +45,6 @@ def enqueue_ms(fn, steps: int = 8, profile: cProfile.Profile | None = None) -> f
     return host
 
 
-def graph_ms(fn) -> float | None:
-    """The step captured once into a CUDA graph (outputs and grads reused) and replayed."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return harness.timed(g.replay)
-    except Exception as exc:  # noqa: BLE001
-        log(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return None
-
-
 def table(data: dict) -> str:
     lines = ["| D | variant | timed ms | CUDA-graph replay ms | host ms per step |", "|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -123,7 +105,7 @@ def main() -> None:
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
             row["profile_tottime"] = buf.getvalue()
-        row["graph_ms"] = graph_ms(fn)
+        row["graph_ms"] = harness.graph_ms(fn)
         rows.append(row)
         log(f"D={args.d} {name:12s} timed {row['timed_ms']:.3f} ms, graph {row['graph_ms']}, "
             f"host {row['host_ms']:.3f} ms")

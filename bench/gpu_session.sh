@@ -9,6 +9,10 @@
 #      TRAIN_ARGS picks models, shapes and variants, e.g. "--models 1b --shapes 2x4096 --variants coda,hf_eager")
 #   6. (timeline) per-tile timelines of the block's fused GEMMs, as generated and with each of
 #      template v4's changes undone (bench/timeline.py variants, ~4 min)
+#   7. (plain_choice) the block step timed in fresh processes (bench/host_step.py) with the plain
+#      GEMMs on Triton (the runtime's choice) and on gluon-hopper (CODA_BACKEND), D=2048 and 4096
+#   8. (stores) ncu counters of the SwiGLU backward's parts: shared-memory store wavefronts and
+#      bank conflicts, L2 bytes, tensor-pipe activity (why its stores slow the other K loop)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -48,7 +52,25 @@ for step in $steps; do
         timeout 100 python3 bench/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline)"; exit 2 ;;
+    plain_choice)  # the block in fresh processes, plain GEMMs on Triton (auto) or on gluon-hopper
+      for d in 2048 4096; do
+        timeout 150 python3 bench/host_step.py --out "$OUT/auto_d$d" --d $d --variants coda_native,liger
+        CODA_BACKEND=gluon-hopper timeout 150 python3 bench/host_step.py --out "$OUT/gluon_d$d" --d $d \
+          --variants coda_native
+      done 2>&1 | grep -v Warn | tee "$OUT/plain_choice.log" | grep "D=" ;;
+    stores)  # ncu: shared-memory store wavefronts and bank conflicts, the SwiGLU backward's stores alone
+      M=gpu__time_duration.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,smsp__inst_executed_op_shared_st.sum,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\
+l1tex__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,\
+sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+      for c in plain_swiglu_shape swiglu_stores_only swiglu_loads_only swiglu_backward_zdz; do
+        echo "== $c"
+        CODA_AUTOTUNE=0 timeout 90 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
+          --metrics $M --csv python3 bench/epilogue_cost.py --launch $c --k 2048 --config "sub4 loop" \
+          2>&1 | grep '"coda_' | awk -F'","' '{print $(NF-2), $NF}'
+      done 2>&1 | tee "$OUT/stores_ncu.log" ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, plain_choice, stores)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

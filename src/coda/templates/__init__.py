@@ -32,7 +32,9 @@ COLS_2 (declared by the `layouts` hook; they split into and join from EPI with n
 movement, which the generated code asserts); e_slot (the Tile-operand ring slot of this
 subtile), ering_<operand> (that ring, [SPLIT_M * E_STAGES, BLOCK_M, cols]), stage_<output>
 (TMA staging buffers, [2 * STAGE_BUFS, BLOCK_M, cols]; s_buf, this subtile's buffer of its
-consumer); its extra hooks are consumer_params,
+consumer), and PINGPONG, eturn and HANDOFF (in ping-pong the emitter hands the epilogue turn on:
+`mbarrier.arrive(eturn.index(1 - CID))` once a tile, after the ring wait of subtile HANDOFF,
+see gluon_helpers._eturn_handoff); its extra hooks are consumer_params,
 consumer_args, alloc, layouts, subtiles, epilogue_loader, epilogue_loader_partition,
 epilogue_loader_warps, epilogue_loader_regs (and loader_params, loader_bytes, loader_copies in
 EPILOGUE_LOADER).

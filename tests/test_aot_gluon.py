@@ -391,3 +391,40 @@ def test_random_program_compiles_or_is_refused(worker: Worker, program: Program,
         assert result["generate_refused"], result
         return
     _check_compiled("random program", result)
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
+@pytest.mark.parametrize("name", EPILOGUES)
+def test_epilogue_turn_is_handed_on_once_a_tile(name: str, loop: bool) -> None:
+    """Each ping-pong tile hands `eturn` on exactly once (the other consumer waits once a tile, so
+    one arrive too many or too few deadlocks or lets it run a phase ahead): with an epilogue ring,
+    after the ring wait of subtile HANDOFF (unrolled: one arrive per subtile whose predicates
+    `h == HANDOFF` are exclusive) or after the subtile loop; without one, before the epilogue."""
+    graph = PLAIN if name == "plain" else _by_name(name).graph
+    spec = hopper_spec(graph, backend="gluon-hopper", subtile=4,
+                       operand_dtypes={s.name: "bfloat16" for s in graph.operands}).model_copy(
+        update={"epilogue_loop": loop})
+    body = generate(graph, spec).split("def _consumer(", 1)[1].split("\n@gluon.jit", 1)[0]
+    arrives = re.findall(r"mbarrier\.arrive\(eturn\.index\(1 - CID\), count=1(?:, pred=(\w+) == HANDOFF)?\)", body)
+    ring = "mbarrier.wait(e_ready." in body
+    if ring and not loop:
+        assert arrives == ["0", "1", "2", "3"], arrives
+        # each after its own subtile's ring wait and before that subtile's loads are used
+        waits = [m.end() for m in re.finditer(r"mbarrier\.wait\(e_ready\.", body)]
+        handoffs = [m.start() for m in re.finditer(r"mbarrier\.arrive\(eturn\.", body)]
+        assert len(waits) == 4 and all(w < h for w, h in zip(waits, handoffs))
+    else:
+        assert arrives == [""], arrives  # one unconditional arrive
+        where = body.index("mbarrier.arrive(eturn.")
+        if ring:  # after the subtile loop
+            assert where > body.index("for h in range(SUBTILE):") and where > body.rindex("mbarrier.wait(e_ready.")
+        else:  # right after this consumer takes its epilogue turn
+            assert where > body.index("mbarrier.wait(eturn.index(CID)") and "e_ready" not in body
+
+
+def test_eturn_handoff_subtile() -> None:
+    """The next epilogue's first ring slot was last used E_STAGES counts before it, SUBTILE counts
+    after this tile's first: the handing consumer must have waited on count SUBTILE - E_STAGES."""
+    from coda.templates.gluon_helpers import _eturn_handoff
+
+    assert [_eturn_handoff(s, e) for s, e in ((4, 2), (4, 4), (1, 2), (8, 2), (2, 3))] == [2, 0, 0, 6, 0]

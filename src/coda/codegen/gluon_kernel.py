@@ -120,7 +120,8 @@ def generate(graph: Graph, spec: Specialization) -> str:
     if spec.epilogue_loop and sub > 1:
         # one copy of the code: the loop picks its subtile from the registers by selects. It hands
         # eturn on after the loop: inside it the predicated arrive cost registers (sm_90 spills of
-        # the RMSNorm backward's loop 272 -> 280 B) and no measured time (bench/results/timeline).
+        # the RMSNorm backward's loop 272 -> 280 B), for an early handoff that measures within the
+        # run-to-run spread where it is kept (the unrolled form: bench/results/timeline_v4).
         pick = "acc_0"
         for h in range(1, sub):
             pick = f"gl.where(h == {h}, acc_{h}, {pick})"

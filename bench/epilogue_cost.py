@@ -113,6 +113,7 @@ CONFIGS = {
     "sub8 st5": dict(subtile=8, num_stages=5),
     "sub8 st6": dict(subtile=8, num_stages=6),
     "sub4 e2 ptr-stores": dict(subtile=4, tma_store=False),
+    "sub4 loop ptr-stores": dict(subtile=4, epilogue_loop=True, tma_store=False),
     # the K loop's side: a deeper operand ring (latency of operands that miss L2), tile order
     "sub4 st5": dict(subtile=4, num_stages=5),
     "sub4 st6": dict(subtile=4, num_stages=6),

@@ -12,7 +12,8 @@
 #   7. (plain_choice) the block step timed in fresh processes (bench/host_step.py) with the plain
 #      GEMMs on Triton (the runtime's choice) and on gluon-hopper (CODA_BACKEND), D=2048 and 4096
 #   8. (stores) ncu counters of the SwiGLU backward's parts: shared-memory store wavefronts and
-#      bank conflicts, L2 bytes, tensor-pipe activity (why its stores slow the other K loop)
+#      bank conflicts, L2 bytes, tensor-pipe activity; then their timelines with the stores
+#      through TMA and through pointers (why its stores slow the other K loop)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -69,7 +70,11 @@ sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
         CODA_AUTOTUNE=0 timeout 90 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
           --metrics $M --csv python3 bench/epilogue_cost.py --launch $c --k 2048 --config "sub4 loop" \
           2>&1 | grep '"coda_' | awk -F'","' '{print $(NF-2), $NF}'
-      done 2>&1 | tee "$OUT/stores_ncu.log" ;;
+      done 2>&1 | tee "$OUT/stores_ncu.log"
+      # the same stores through pointers (STG, no TMA unit): does the other K loop still slow down?
+      CODA_AUTOTUNE=0 timeout 150 python3 bench/timeline.py --out "$OUT/stores_timeline" \
+        --cases plain_swiglu_shape,swiglu_stores_only --configs "sub4 loop,sub4 loop ptr-stores" 2>&1 \
+        | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee -a "$OUT/stores_ncu.log" ;;
     *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, plain_choice, stores)"; exit 2 ;;
   esac
 done

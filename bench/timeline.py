@@ -80,8 +80,8 @@ def late_eturn(text: str) -> str:
 
 
 def exact_sigmoid(text: str) -> str:
-    """The source with Triton's sigmoid (jit_helpers._sigmoid: exp and division with their
-    subnormal range checks) in place of gluon_helpers' approximate flush-to-zero one."""
+    """The source with Triton's sigmoid (jit_helpers._sigmoid: its exp keeps the range check
+    for subnormal results) in place of gluon_helpers' one (the flush-to-zero ex2.approx)."""
     anchor = "from coda.templates.gluon_helpers import "
     if text.count(anchor) != 1:
         raise ValueError("timeline: the template changed (its gluon_helpers import)")

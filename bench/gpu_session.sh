@@ -55,8 +55,8 @@ for step in $steps; do
       } 2>&1 | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee "$OUT/timeline.log" ;;
     plain_choice)  # the block in fresh processes, plain GEMMs on Triton (auto) or on gluon-hopper
       for d in 2048 4096; do
-        timeout 150 python3 bench/host_step.py --out "$OUT/auto_d$d" --d $d --variants coda_native,liger
-        CODA_BACKEND=gluon-hopper timeout 150 python3 bench/host_step.py --out "$OUT/gluon_d$d" --d $d \
+        timeout 130 python3 bench/host_step.py --out "$OUT/auto_d$d" --d $d --variants coda_native,liger
+        CODA_BACKEND=gluon-hopper timeout 130 python3 bench/host_step.py --out "$OUT/gluon_d$d" --d $d \
           --variants coda_native
       done 2>&1 | grep -v Warn | tee "$OUT/plain_choice.log" | grep "D=" ;;
     stores)  # ncu: shared-memory store wavefronts and bank conflicts, the SwiGLU backward's stores alone

@@ -34,7 +34,7 @@ from coda.runtime import choose, launch
 from coda.runtime.validate import validate
 import harness
 from harness import NOTES, gemm_error, gemm_reference, log
-from ops_block import block_case, fwd_bwd, max_err
+from ops_block import block_case, block_steps, fwd_bwd, max_err
 
 WIDTHS = {2048: 8192, 4096: 14336}
 BACKENDS = ("gluon-hopper", "triton")
@@ -146,19 +146,13 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
     ref_all = (case["ref"], *case["refg"])
     out = [{"D": d, "FFN": f, "M": m, "variant": "sol_graph", "ms": _sol_graph(case["fwd"], case["bwd"])}]
     save(out)
-    impls = dict(case["impls"])
-    variants = {"coda": fwd_bwd(impls["coda"], case["params"], case["go"]),
-                "coda_native": fwd_bwd(case["ours_native"], case["native_params"], case["go"])}
-    checks = {"coda": lambda r: max_err(r, ref_all), "coda_native": case["native_error"]}
-    if peers:
-        variants["eager"] = fwd_bwd(impls["eager"], case["params"], case["go"])
-        checks["eager"] = lambda r: max_err(r, ref_all)
-        if "liger" in impls:
-            variants["liger"] = fwd_bwd(impls["liger"], case["params"], case["go"])
-            checks["liger"] = lambda r: max_err(r, ref_all)
-    for name, fn in variants.items():
+    steps = block_steps(case)
+    for name in ("coda", "coda_native") + (("eager", "liger") if peers else ()):
+        if name not in steps:  # liger, where Liger-Kernel is not installed
+            continue
+        fn, check = steps[name]
         try:
-            err = checks[name](fn())
+            err = check(fn())
             if not err < 2e-2:
                 raise AssertionError(f"error {err:.3g} vs fp32")
             allocs = _device_allocs()
@@ -181,7 +175,8 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
             if t0 + (300 if mode != "default" else 60) > compile_budget_s:
                 NOTES.append(f"block D={d} compile_{mode}: not run (out of this run's time budget)")
                 continue
-            cf = torch.compile(impls["eager"]) if mode == "default" else torch.compile(impls["eager"], mode=mode)
+            eager = case["impls"]["eager"]
+            cf = torch.compile(eager) if mode == "default" else torch.compile(eager, mode=mode)
             fn = fwd_bwd(cf, case["params"], case["go"])
             try:
                 err = max_err(fn(), ref_all)

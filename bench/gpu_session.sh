@@ -35,6 +35,8 @@ export PYTHONUNBUFFERED=1 CODA_CACHE_DIR=${CODA_CACHE_DIR:-/tmp/coda-cache}
 mkdir -p "$CODA_CACHE_DIR"
 [ -f .tuning.tgz ] && tar -C "$CODA_CACHE_DIR" -xzf .tuning.tgz
 steps=${*:-tests epilogues ops}
+# bench/timeline.py's rows without warnings and without the long config text (its label stays)
+timeline_rows() { grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//'; }
 for step in $steps; do
   case $step in
     tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
@@ -52,7 +54,7 @@ for step in $steps; do
         timeout 170 python3 bench/timeline.py --out "$OUT/timeline_late" --variant late_eturn --cases $fused
         timeout 100 python3 bench/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
-      } 2>&1 | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee "$OUT/timeline.log" ;;
+      } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
     plain_choice)  # the block in fresh processes, plain GEMMs on Triton (auto) or on gluon-hopper
       for d in 2048 4096; do
         timeout 130 python3 bench/host_step.py --out "$OUT/auto_d$d" --d $d --variants coda_native,liger
@@ -74,7 +76,7 @@ sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
       # the same stores through pointers (STG, no TMA unit): does the other K loop still slow down?
       CODA_AUTOTUNE=0 timeout 150 python3 bench/timeline.py --out "$OUT/stores_timeline" \
         --cases plain_swiglu_shape,swiglu_stores_only --configs "sub4 loop,sub4 loop ptr-stores" 2>&1 \
-        | grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//' | tee -a "$OUT/stores_ncu.log" ;;
+        | timeline_rows | tee -a "$OUT/stores_ncu.log" ;;
     *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, plain_choice, stores)"; exit 2 ;;
   esac
 done

@@ -25,7 +25,7 @@ import torch
 import harness
 from harness import log
 from block_kernels import WIDTHS
-from ops_block import block_case, fwd_bwd, max_err
+from ops_block import block_case, block_steps
 
 
 def enqueue_ms(fn, steps: int = 8, profile: cProfile.Profile | None = None) -> float:
@@ -81,20 +81,14 @@ def main() -> None:
     if not args.f and args.d not in WIDTHS:
         ap.error(f"--d {args.d}: give --f (the FFN width); known: {WIDTHS}")
     case = block_case(args.m, args.d, args.f or WIDTHS[args.d])
-    refs = (case["ref"], *case["refg"])
-    fns = {"coda_native": fwd_bwd(case["ours_native"], case["native_params"], case["go"])}
-    checks = {"coda_native": case["native_error"]}
-    for name in ("eager", "liger", "coda"):
-        if name in case["impls"]:
-            fns[name] = fwd_bwd(case["impls"][name], case["params"], case["go"])
-            checks[name] = lambda result: max_err(result, refs)
+    steps = block_steps(case)
     rows = []
     for name in args.variants.split(","):
-        if name not in fns:
+        if name not in steps:
             log(f"{name}: not available")
             continue
-        fn = fns[name]
-        err = checks[name](fn())
+        fn, check = steps[name]
+        err = check(fn())
         if not err < 2e-2:
             log(f"{name}: error {err:.3g} against fp32, not timed")
             continue

@@ -44,6 +44,16 @@ def fwd_bwd(f, params, grad_out=None):
     return run
 
 
+def block_steps(case: dict) -> dict[str, tuple]:
+    """(step, check) of each variant of a block_case: coda_native and every entry of its impls
+    (eager, coda, liger where installed), forward+backward; check(result) is the error vs fp32."""
+    refs = (case["ref"], *case["refg"])
+    steps = {"coda_native": (fwd_bwd(case["ours_native"], case["native_params"], case["go"]), case["native_error"])}
+    for name, impl in case["impls"].items():
+        steps[name] = (fwd_bwd(impl, case["params"], case["go"]), lambda result: max_err(result, refs))
+    return steps
+
+
 def gemms_sum(op: str, shape, shapes: list[tuple[int, int, int]]) -> None:
     """The speed of light: each bare GEMM (M, N, K) of the op timed with cuBLAS, summed."""
     total = 0.0

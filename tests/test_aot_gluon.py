@@ -401,9 +401,8 @@ def test_epilogue_turn_is_handed_on_once_a_tile(name: str, loop: bool) -> None:
     after the ring wait of subtile HANDOFF (unrolled: one arrive per subtile whose predicates
     `h == HANDOFF` are exclusive) or after the subtile loop; without one, before the epilogue."""
     graph = PLAIN if name == "plain" else _by_name(name).graph
-    spec = hopper_spec(graph, backend="gluon-hopper", subtile=4,
-                       operand_dtypes={s.name: "bfloat16" for s in graph.operands}).model_copy(
-        update={"epilogue_loop": loop})
+    spec = hopper_spec(graph, backend="gluon-hopper", subtile=4, epilogue_loop=loop,
+                       operand_dtypes={s.name: "bfloat16" for s in graph.operands})
     body = generate(graph, spec).split("def _consumer(", 1)[1].split("\n@gluon.jit", 1)[0]
     arrives = re.findall(r"mbarrier\.arrive\(eturn\.index\(1 - CID\), count=1(?:, pred=(\w+) == HANDOFF)?\)", body)
     ring = "mbarrier.wait(e_ready." in body

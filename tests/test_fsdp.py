@@ -32,9 +32,16 @@ CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_la
               num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0)
 STEPS, BATCH, SEQ = 2, 1, 16  # BATCH sequences per rank and step
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# The ranks run on the CPU (gloo, Triton's interpreter) on any machine: a GPU tier that let them
-# see its GPU would put rank 1 on a device ordinal one GPU lacks, and CPU tensors into GPU kernels.
-CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    """The environment of the processes these tests start: this checkout's coda first, and no GPU
+    visible (the ranks run on the CPU, gloo and Triton's interpreter, on any machine: a GPU tier
+    that let them see its GPU would put rank 1 on a device ordinal one GPU lacks, and CPU tensors
+    into GPU kernels)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra,
+            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
 
 
 def make_model(tied: bool, checkpoint: bool):
@@ -124,9 +131,7 @@ def run_reference(world: int, tied: bool, checkpoint: bool, dtype: str, out: Pat
 
 def _launch(tmp_path: Path, world: int, tied: bool, checkpoint: bool, dtype: str) -> dict:
     """Start the `world` ranks and the reference side by side, wait, return what they saved."""
-    env = {**os.environ, **CPU_ONLY, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = _child_env(OMP_NUM_THREADS="1")
     common = [sys.executable, __file__, "--world", str(world), "--dtype", dtype, "--out", str(tmp_path)]
     common += ["--tied"] * tied + ["--checkpoint"] * checkpoint
     procs = [subprocess.Popen(common + ["--reference"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
@@ -174,8 +179,7 @@ def test_train_fsdp_script_tiny_two_ranks_with_reference(tmp_path: Path) -> None
     progress lines and files, and its unsharded reference's losses equal to the sharded run's (the
     reference emulates FSDP2's mixed precision and averaging as above, so on the CPU exactly)."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, **CPU_ONLY,
-           "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = _child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(root / "bench" / "train_fsdp.py"), "--tiny", "--steps", "1", "--warmup", "1", "--checkpoint",
            "--reference", "--out", str(tmp_path)]

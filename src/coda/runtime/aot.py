@@ -122,7 +122,8 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
 
 def hopper_spec(graph: Graph, *, backend: str = "triton", in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
                 operand_dtypes: dict[str, str | None] | None = None, store_dtype: str | None = None,
-                tma_stores: bool = True, tma_tiles: bool = True, wide: bool = False, subtile: int = 1) -> Specialization:
+                tma_stores: bool = True, tma_tiles: bool = True, wide: bool = False, subtile: int = 1,
+                epilogue_loop: bool = False) -> Specialization:
     """A GPU specialization for AOT tests, as the runtime makes one for aligned inputs of moderate
     size (TMA Tile loads and stores, int32 row offsets); operands default to fp32 tensors, Scalars
     to numbers."""
@@ -136,7 +137,7 @@ def hopper_spec(graph: Graph, *, backend: str = "triton", in_dtype: str = "bfloa
                           store_dtypes=stores, interpret=False,
                           tma_stores=tuple(name for name, _ in stores) if tma_stores else (),
                           tma_tiles=tuple(s.name for s in graph.operands if s.kind == Kind.TILE) if tma_tiles else (),
-                          wide=wide, subtile=subtile)
+                          wide=wide, subtile=subtile, epilogue_loop=epilogue_loop)
 
 
 __all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES"]

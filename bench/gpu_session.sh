@@ -9,11 +9,10 @@
 #      TRAIN_ARGS picks models, shapes and variants, e.g. "--models 1b --shapes 2x4096 --variants coda,hf_eager")
 #   6. (timeline) per-tile timelines of the block's fused GEMMs, as generated and with each of
 #      template v4's changes undone (bench/timeline.py variants, ~4 min)
-#   7. (plain_choice) the block step timed in fresh processes (bench/host_step.py) with the plain
-#      GEMMs on Triton (the runtime's choice) and on gluon-hopper (CODA_BACKEND), D=2048 and 4096
-#   8. (stores) ncu counters of the SwiGLU backward's parts: shared-memory store wavefronts and
+#   7. (stores) ncu counters of the SwiGLU backward's parts: shared-memory store wavefronts and
 #      bank conflicts, L2 bytes, tensor-pipe activity; then their timelines with the stores
 #      through TMA and through pointers (why its stores slow the other K loop)
+#   8. (l2) ncu L2 throughput and bytes of the SwiGLU backward's GEMM, its parts and cuBLAS's GEMM
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -55,12 +54,6 @@ for step in $steps; do
         timeout 100 python3 bench/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    plain_choice)  # the block in fresh processes, plain GEMMs on Triton (auto) or on gluon-hopper
-      for d in 2048 4096; do
-        timeout 130 python3 bench/host_step.py --out "$OUT/auto_d$d" --d $d --variants coda_native,liger
-        CODA_BACKEND=gluon-hopper timeout 130 python3 bench/host_step.py --out "$OUT/gluon_d$d" --d $d \
-          --variants coda_native
-      done 2>&1 | grep -v Warn | tee "$OUT/plain_choice.log" | grep "D=" ;;
     stores)  # ncu: shared-memory store wavefronts and bank conflicts, the SwiGLU backward's stores alone
       M=gpu__time_duration.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,smsp__inst_executed_op_shared_st.sum,\
@@ -77,7 +70,26 @@ sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
       CODA_AUTOTUNE=0 timeout 150 python3 bench/timeline.py --out "$OUT/stores_timeline" \
         --cases plain_swiglu_shape,swiglu_stores_only --configs "sub4 loop,sub4 loop ptr-stores" 2>&1 \
         | timeline_rows | tee -a "$OUT/stores_ncu.log" ;;
-    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, plain_choice, stores)"; exit 2 ;;
+    l2)  # ncu: L2 throughput and bytes of the SwiGLU backward's K=2048 GEMM and its parts, ping-pong and
+         # cooperative, and of cuBLAS's GEMM of the same shape (is the fused GEMM bound by L2 bandwidth?)
+      M=gpu__time_duration.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_op_read.sum,\
+lts__t_sectors_op_write.sum,dram__bytes.sum,launch__grid_size,\
+sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+      for cc in "plain_swiglu_shape:sub4 loop" "swiglu_stores_only:sub4 loop" "swiglu_loads_only:sub4 loop" \
+                "swiglu_backward_zdz:sub4 loop" "plain_swiglu_shape:coop sub8" "swiglu_backward_zdz:coop sub8"; do
+        echo "== ${cc%%:*} (${cc#*:})"
+        CODA_AUTOTUNE=0 timeout 60 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
+          --metrics $M --csv python3 bench/epilogue_cost.py --launch ${cc%%:*} --k 2048 --config "${cc#*:}" \
+          2>&1 | grep '"coda_' | awk -F'","' '{print $(NF-2), $NF}'
+      done 2>&1 | tee "$OUT/l2_ncu.log"
+      echo "== cuBLAS [8192, 8192, 2048]" | tee -a "$OUT/l2_ncu.log"
+      timeout 60 ncu --clock-control none -k regex:'gemm|nvjet|xmma' --launch-skip 2 --launch-count 1 --metrics $M \
+        --csv python3 -c "import torch; a = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
+w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
+for _ in range(3): a @ w.T
+torch.cuda.synchronize()" 2>&1 | grep -v '^==' | awk -F'","' 'NR > 1 {print $5, "|", $(NF-2), $NF}' \
+        | tee -a "$OUT/l2_ncu.log" ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, stores, l2)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

@@ -12,7 +12,6 @@ import triton
 
 from .. import __version__
 from ..codegen import unsupported
-from ..ir.graph import Graph
 from ..ir.primitives import BACKENDS
 from . import autotune
 from .config import Config, default_config
@@ -47,19 +46,14 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
     return unsupported(call.graph, make_spec(spec_fields(call, False, cfg)))
 
 
-def gluon_first(graph: Graph) -> bool:
-    """Whether gluon-hopper is preferred without tuning (CODA_AUTOTUNE=0 runs the first backend;
-    tuning times both). From the block's GEMMs on the H200 at template v2
-    (bench/results/block_kernels.md): gluon-hopper was faster for every epilogue that reads an
-    operand or writes several outputs at D=4096 (e.g. the SwiGLU backward 1.24 vs 1.45 of
-    cuBLAS, RoPE 1.06 vs 1.22), Triton for the plain GEMM (e.g. 1.00 vs 1.05; 0.97-1.02 vs
-    1.02-1.12 at D=2048). Where the best backend depends on the shape (the SwiGLU backward at
-    D=2048, K=2048: Triton 1.67, gluon 2.06), tuning decides."""
-    return bool(graph.operands) or len(graph.outputs) > 1
-
-
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
-    """The backends this call may run on, preferred first; says (debug log) why not Gluon."""
+    """The backends this call may run on, preferred first; says (debug log) why not Gluon.
+
+    Gluon-hopper goes first wherever it can run the program (CODA_AUTOTUNE=0 runs the first
+    backend; tuning times both). Measured on the H200 (bench/results/plain_choice/, template
+    v4, untuned): the Llama block's step in fresh processes with its plain GEMMs on gluon-hopper
+    rather than Triton, 16.61 against 16.72-16.73 ms as a CUDA graph at D=4096, 4.94 against
+    4.94 at D=2048; every fused epilogue was already faster on gluon-hopper at template v2."""
     setting = backend_setting()
     if setting == "triton":
         return ("triton",)
@@ -67,7 +61,7 @@ def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
     if reason is None:
         if setting == "gluon-hopper":
             return ("gluon-hopper",)
-        return ("gluon-hopper", "triton") if gluon_first(call.graph) else ("triton", "gluon-hopper")
+        return ("gluon-hopper", "triton")
     if setting == "gluon-hopper":
         raise ValueError(f"coda.gemm: CODA_BACKEND=gluon-hopper cannot run {call.graph.name}: {reason}")
     log.debug("coda: %s runs on the triton backend: %s", call.graph.name, reason)

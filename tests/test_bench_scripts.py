@@ -4,6 +4,8 @@ pass its fp32 correctness check, so the scripts do not rot between GPU sessions.
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,6 +107,28 @@ def test_block_kernels_script(cpu_harness) -> None:
         assert len(refused) == 12 and all("interpreter" in n for n in refused)
     md = bk.table({"rows": rows, "block": [{"D": 64, "variant": "coda", "ms": 1.0}]})
     assert "| 64 | fwd1:rms_swiglu | [40, 96, 64] |" in md and "| 64 | coda | 1.000 | - |" in md
+
+
+def test_block_kernels_takes_block_rows_from_a_fresh_process(cpu_harness, tmp_path, monkeypatch) -> None:
+    """The full run starts `block_kernels.py --block-only D` per width and keeps what that process
+    wrote, its notes too, also when it stopped early (a time limit), saying so."""
+    import block_kernels as bk
+
+    calls = []
+
+    def fake_run(cmd):
+        calls.append(cmd)
+        d = int(cmd[cmd.index("--block-only") + 1])
+        rows = [{"D": d, "variant": "sol_graph", "ms": 1.0}]
+        (tmp_path / f"block_d{d}.json").write_text(json.dumps({"block": rows, "notes": [f"child {d}"]}))
+        return subprocess.CompletedProcess(cmd, 0 if d == 2048 else -9)
+
+    monkeypatch.setattr(bk.subprocess, "run", fake_run)
+    assert bk.fresh_block_rows(2048, 64, True, 300.4, tmp_path) == [{"D": 2048, "variant": "sol_graph", "ms": 1.0}]
+    assert bk.fresh_block_rows(4096, 64, False, -5, tmp_path)[0]["D"] == 4096
+    assert calls[0][1:] == [bk.__file__, "--block-only", "2048", "--m", "64", "--out", str(tmp_path), "--budget", "300"]
+    assert calls[1][-3:] == ["--budget", "0", "--no-peers"]
+    assert cpu_harness.NOTES == ["child 2048", "child 4096", "block D=4096: its process exited with -9 after 1 rows"]
 
 
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:

@@ -13,6 +13,7 @@
 #      bank conflicts, L2 bytes, tensor-pipe activity; then their timelines with the stores
 #      through TMA and through pointers (why its stores slow the other K loop)
 #   8. (l2) ncu L2 throughput and bytes of the SwiGLU backward's GEMM, its parts and cuBLAS's GEMM
+#   9. (xbar) ncu of each SM's side of the L2 link for the same kernels (bytes in and out, share of peak)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -89,7 +90,29 @@ w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
 for _ in range(3): a @ w.T
 torch.cuda.synchronize()" 2>&1 | grep -v '^==' | awk -F'","' 'NR > 1 {print $5, "|", $(NF-2), $NF}' \
         | tee -a "$OUT/l2_ncu.log" ;;
-    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, stores, l2)"; exit 2 ;;
+    xbar)  # ncu: each SM's side of the L2 link (bytes in and out, and their share of its peak) for the
+           # same kernels as l2: is ping-pong's 128x128 K loop near the SM's L2 read bandwidth, which
+           # the epilogue's writes would then share? One metric group per ncu run, so that a name this
+           # ncu lacks costs only its own group.
+      for group in l1tex__m_xbar2l1tex_read_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum.pct_of_peak_sustained_elapsed \
+                   l1tex__m_l1tex2xbar_write_bytes.sum,l1tex__m_l1tex2xbar_write_bytes.sum.pct_of_peak_sustained_elapsed \
+                   l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum,l1tex__m_l1tex2xbar_req_cycles_active_op_tma.sum; do
+        for cc in "plain_swiglu_shape:sub4 loop" "swiglu_stores_only:sub4 loop" "swiglu_stores_only:sub4 loop ptr-stores" \
+                  "swiglu_loads_only:sub4 loop" "swiglu_backward_zdz:sub4 loop" "plain_swiglu_shape:coop sub8"; do
+          echo "== ${cc%%:*} (${cc#*:})"
+          CODA_AUTOTUNE=0 timeout 60 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
+            --metrics gpu__time_duration.sum,$group --csv python3 bench/epilogue_cost.py --launch ${cc%%:*} --k 2048 \
+            --config "${cc#*:}" 2>&1 | grep '"coda_\|ERR' | awk -F'","' '{ if (NF > 2) print $(NF-2), $NF; else print }'
+        done
+        echo "== cuBLAS [8192, 8192, 2048]"
+        timeout 60 ncu --clock-control none -k regex:'gemm|nvjet|xmma' --launch-skip 2 --launch-count 1 \
+          --metrics gpu__time_duration.sum,$group --csv python3 -c "import torch
+a = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
+w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
+for _ in range(3): a @ w.T
+torch.cuda.synchronize()" 2>&1 | grep -v '^==PROF==' | awk -F'","' '{ if (NF > 2) print $(NF-2), $NF; else print }'
+      done 2>&1 | tee "$OUT/xbar_ncu.log" ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, stores, l2, xbar)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

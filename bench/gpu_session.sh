@@ -91,12 +91,15 @@ for _ in range(3): a @ w.T
 torch.cuda.synchronize()" 2>&1 | grep -v '^==' | awk -F'","' 'NR > 1 {print $5, "|", $(NF-2), $NF}' \
         | tee -a "$OUT/l2_ncu.log" ;;
     xbar)  # ncu: each SM's side of the L2 link (bytes in and out, and their share of its peak) for the
-           # same kernels as l2: is ping-pong's 128x128 K loop near the SM's L2 read bandwidth, which
-           # the epilogue's writes would then share? One metric group per ncu run, so that a name this
-           # ncu lacks costs only its own group.
+           # same kernels as l2: is ping-pong's 128x128 K loop near the SM's L2 read bandwidth, and what
+           # do the epilogue's writes take from it? Then L2 requests against sectors (the outputs' 64- and
+           # 128-byte TMA rows against the operands' 128). One metric group per ncu run, so that a name
+           # this ncu lacks costs only its own group (~7 min in all).
       for group in l1tex__m_xbar2l1tex_read_bytes.sum,l1tex__m_xbar2l1tex_read_bytes.sum.pct_of_peak_sustained_elapsed \
                    l1tex__m_l1tex2xbar_write_bytes.sum,l1tex__m_l1tex2xbar_write_bytes.sum.pct_of_peak_sustained_elapsed \
-                   l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum,l1tex__m_l1tex2xbar_req_cycles_active_op_tma.sum; do
+                   l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum,l1tex__m_l1tex2xbar_req_cycles_active_op_tma.sum \
+                   lts__t_requests_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_write.sum,\
+lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum; do
         for cc in "plain_swiglu_shape:sub4 loop" "swiglu_stores_only:sub4 loop" "swiglu_stores_only:sub4 loop ptr-stores" \
                   "swiglu_loads_only:sub4 loop" "swiglu_backward_zdz:sub4 loop" "plain_swiglu_shape:coop sub8"; do
           echo "== ${cc%%:*} (${cc#*:})"

@@ -14,6 +14,8 @@
 #      through TMA and through pointers (why its stores slow the other K loop)
 #   8. (l2) ncu L2 throughput and bytes of the SwiGLU backward's GEMM, its parts and cuBLAS's GEMM
 #   9. (xbar) ncu of each SM's side of the L2 link for the same kernels (bytes in and out, share of peak)
+#  10. (block) bench/block_kernels.py untuned: every GEMM of the block on both backends, the block
+#      rows (each width in a fresh process) against SoL and peers (5-7 min; --merge it into bench/results)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -90,6 +92,8 @@ w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
 for _ in range(3): a @ w.T
 torch.cuda.synchronize()" 2>&1 | grep -v '^==' | awk -F'","' 'NR > 1 {print $5, "|", $(NF-2), $NF}' \
         | tee -a "$OUT/l2_ncu.log" ;;
+    block) CODA_AUTOTUNE=0 timeout ${STEP_TIMEOUT:-540} python3 bench/block_kernels.py --out "$OUT" 2>&1 \
+             | grep -v Warn | tee "$OUT/block_kernels.log" | grep "block D=\|x[0-9]" | tail -60 ;;
     xbar)  # ncu: each SM's side of the L2 link (bytes in and out, and their share of its peak) for the
            # same kernels as l2: is ping-pong's 128x128 K loop near the SM's L2 read bandwidth, and what
            # do the epilogue's writes take from it? Then L2 requests against sectors (the outputs' 64- and
@@ -115,7 +119,7 @@ w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
 for _ in range(3): a @ w.T
 torch.cuda.synchronize()" 2>&1 | grep -v '^==PROF==' | awk -F'","' '{ if (NF > 2) print $(NF-2), $NF; else print }'
       done 2>&1 | tee "$OUT/xbar_ncu.log" ;;
-    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, stores, l2, xbar)"; exit 2 ;;
+    *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

@@ -39,6 +39,21 @@ mkdir -p "$CODA_CACHE_DIR"
 steps=${*:-tests epilogues ops}
 # bench/timeline.py's rows without warnings and without the long config text (its label stays)
 timeline_rows() { grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//'; }
+# ncu of one bench/epilogue_cost.py case at K=2048, its third launch: "metric value" lines, and ncu's errors
+ncu_case() {  # seconds metrics case config
+  CODA_AUTOTUNE=0 timeout "$1" ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
+    --metrics "$2" --csv python3 bench/epilogue_cost.py --launch "$3" --k 2048 --config "$4" 2>&1 \
+    | grep '"coda_\|==ERROR' | awk -F'","' '{ if (NF > 2) print $(NF-2), $NF; else print }'
+}
+# the same for cuBLAS's GEMM of the SwiGLU backward's shape, [8192, 8192, 2048]: "kernel | metric value" lines
+ncu_cublas() {  # metrics
+  timeout 60 ncu --clock-control none -k regex:'gemm|nvjet|xmma' --launch-skip 2 --launch-count 1 --metrics "$1" \
+    --csv python3 -c "import torch
+a = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
+w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
+for _ in range(3): a @ w.T
+torch.cuda.synchronize()" 2>&1 | grep '^"[0-9]\|==ERROR' | awk -F'","' '{ if (NF > 2) print $5, "|", $(NF-2), $NF; else print }'
+}
 for step in $steps; do
   case $step in
     tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
@@ -65,9 +80,7 @@ l1tex__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,\
 sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
       for c in plain_swiglu_shape swiglu_stores_only swiglu_loads_only swiglu_backward_zdz; do
         echo "== $c"
-        CODA_AUTOTUNE=0 timeout 90 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
-          --metrics $M --csv python3 bench/epilogue_cost.py --launch $c --k 2048 --config "sub4 loop" \
-          2>&1 | grep '"coda_' | awk -F'","' '{print $(NF-2), $NF}'
+        ncu_case 90 $M $c "sub4 loop"
       done 2>&1 | tee "$OUT/stores_ncu.log"
       # the same stores through pointers (STG, no TMA unit): does the other K loop still slow down?
       CODA_AUTOTUNE=0 timeout 150 python3 bench/timeline.py --out "$OUT/stores_timeline" \
@@ -81,17 +94,9 @@ sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
       for cc in "plain_swiglu_shape:sub4 loop" "swiglu_stores_only:sub4 loop" "swiglu_loads_only:sub4 loop" \
                 "swiglu_backward_zdz:sub4 loop" "plain_swiglu_shape:coop sub8" "swiglu_backward_zdz:coop sub8"; do
         echo "== ${cc%%:*} (${cc#*:})"
-        CODA_AUTOTUNE=0 timeout 60 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
-          --metrics $M --csv python3 bench/epilogue_cost.py --launch ${cc%%:*} --k 2048 --config "${cc#*:}" \
-          2>&1 | grep '"coda_' | awk -F'","' '{print $(NF-2), $NF}'
+        ncu_case 60 $M "${cc%%:*}" "${cc#*:}"
       done 2>&1 | tee "$OUT/l2_ncu.log"
-      echo "== cuBLAS [8192, 8192, 2048]" | tee -a "$OUT/l2_ncu.log"
-      timeout 60 ncu --clock-control none -k regex:'gemm|nvjet|xmma' --launch-skip 2 --launch-count 1 --metrics $M \
-        --csv python3 -c "import torch; a = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
-w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
-for _ in range(3): a @ w.T
-torch.cuda.synchronize()" 2>&1 | grep -v '^==' | awk -F'","' 'NR > 1 {print $5, "|", $(NF-2), $NF}' \
-        | tee -a "$OUT/l2_ncu.log" ;;
+      { echo "== cuBLAS [8192, 8192, 2048]"; ncu_cublas $M; } 2>&1 | tee -a "$OUT/l2_ncu.log" ;;
     block) CODA_AUTOTUNE=0 timeout ${STEP_TIMEOUT:-540} python3 bench/block_kernels.py --out "$OUT" 2>&1 \
              | grep -v Warn | tee "$OUT/block_kernels.log" | grep "block D=\|x[0-9]" | tail -60 ;;
     xbar)  # ncu: each SM's side of the L2 link (bytes in and out, and their share of its peak) for the
@@ -107,17 +112,10 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum; 
         for cc in "plain_swiglu_shape:sub4 loop" "swiglu_stores_only:sub4 loop" "swiglu_stores_only:sub4 loop ptr-stores" \
                   "swiglu_loads_only:sub4 loop" "swiglu_backward_zdz:sub4 loop" "plain_swiglu_shape:coop sub8"; do
           echo "== ${cc%%:*} (${cc#*:})"
-          CODA_AUTOTUNE=0 timeout 60 ncu --clock-control none -k regex:coda_ --launch-skip 2 --launch-count 1 \
-            --metrics gpu__time_duration.sum,$group --csv python3 bench/epilogue_cost.py --launch ${cc%%:*} --k 2048 \
-            --config "${cc#*:}" 2>&1 | grep '"coda_\|ERR' | awk -F'","' '{ if (NF > 2) print $(NF-2), $NF; else print }'
+          ncu_case 60 gpu__time_duration.sum,$group "${cc%%:*}" "${cc#*:}"
         done
         echo "== cuBLAS [8192, 8192, 2048]"
-        timeout 60 ncu --clock-control none -k regex:'gemm|nvjet|xmma' --launch-skip 2 --launch-count 1 \
-          --metrics gpu__time_duration.sum,$group --csv python3 -c "import torch
-a = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
-w = torch.randn(8192, 2048, device='cuda', dtype=torch.bfloat16)
-for _ in range(3): a @ w.T
-torch.cuda.synchronize()" 2>&1 | grep -v '^==PROF==' | awk -F'","' '{ if (NF > 2) print $(NF-2), $NF; else print }'
+        ncu_cublas gpu__time_duration.sum,$group
       done 2>&1 | tee "$OUT/xbar_ncu.log" ;;
     *) echo "unknown step $step (tests, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
   esac

@@ -252,8 +252,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-d", default=None, help="widths to sweep (default: every --d)")
     ap.add_argument("--no-block", action="store_true", help="kernel rows only, no block rows")
-    ap.add_argument("--block-only", type=int, metavar="D", help="width D's block rows only, into <out>/block_dD.json "
-                    "(what the full run starts once per width)")
+    ap.add_argument("--block-only", type=int, choices=sorted(WIDTHS), metavar="D",
+                    help="width D's block rows only, into <out>/block_dD.json (what the full run starts once per width)")
     ap.add_argument("--no-peers", action="store_true", help="only sol_graph, coda and coda_native block rows")
     ap.add_argument("--budget", type=float, default=480, help="seconds after which torch.compile peers are skipped")
     ap.add_argument("--merge", type=Path, help="write <out>/block_kernels.{json,md} from a measured JSON")

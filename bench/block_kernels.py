@@ -288,8 +288,11 @@ def main() -> None:
     if args.block_only:
         d = args.block_only
         path = args.out / f"block_d{d}.json"
-        block_rows(d, WIDTHS[d], args.m, not args.no_peers, t0 + args.budget,
-                   lambda rows: path.write_text(json.dumps({"block": rows, "notes": NOTES}, indent=1)))
+
+        def save_block(rows: list[dict]) -> None:
+            path.write_text(json.dumps({"block": rows, "notes": NOTES}, indent=1))
+        # saved once more at the end: notes made after the last row (a peer skipped or failed) count too
+        save_block(block_rows(d, WIDTHS[d], args.m, not args.no_peers, t0 + args.budget, save_block))
         return
 
     def save(block: list[dict] | None = None):

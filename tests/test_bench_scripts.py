@@ -131,6 +131,27 @@ def test_block_kernels_takes_block_rows_from_a_fresh_process(cpu_harness, tmp_pa
     assert cpu_harness.NOTES == ["child 2048", "child 4096", "block D=4096: its process exited with -9 after 1 rows"]
 
 
+def test_block_only_keeps_notes_made_after_its_last_row(cpu_harness, tmp_path, monkeypatch) -> None:
+    """The child (`--block-only D`) writes its file once more at the end, so that a note made after
+    its last row (a torch.compile peer skipped for time, or failed) reaches the parent."""
+    import block_kernels as bk
+
+    def fake_block_rows(d, f, m, peers, budget, save):
+        rows = [{"D": d, "variant": "sol_graph", "ms": 1.0}]
+        save(rows)
+        cpu_harness.NOTES.append(f"block D={d} compile_max-autotune-no-cudagraphs: not run")
+        return rows
+
+    monkeypatch.setattr(bk, "block_rows", fake_block_rows)
+    monkeypatch.setattr(bk.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bk.torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(sys, "argv", ["block_kernels.py", "--block-only", "4096", "--out", str(tmp_path)])
+    bk.main()
+    child = json.loads((tmp_path / "block_d4096.json").read_text())
+    assert child == {"block": [{"D": 4096, "variant": "sol_graph", "ms": 1.0}],
+                     "notes": ["block D=4096 compile_max-autotune-no-cudagraphs: not run"]}
+
+
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
     """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
     row, not-issued twins of each stall metric, columns found by name)."""

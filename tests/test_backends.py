@@ -421,7 +421,8 @@ def test_gluon_defaults_are_valid_for_every_epilogue(k: int) -> None:
 
 def test_gluon_default_schedule_follows_the_depth() -> None:
     """Cooperative for the plain GEMM at any K and for the block's epilogues from
-    COOPERATIVE_MIN_K on; ping-pong (its epilogue hidden) below."""
+    COOPERATIVE_MIN_K on; ping-pong (its epilogue hidden) below (at an output shape where the
+    tile rounds do not decide it)."""
     def schedule(graph, k: int) -> bool:
         return default_config(graph, "bfloat16", False, 8192, 2048, k, "gluon-hopper").cooperative
 
@@ -430,6 +431,23 @@ def test_gluon_default_schedule_follows_the_depth() -> None:
         graph = EPILOGUES[name].graph
         assert not schedule(graph, 2048) and not schedule(graph, COOPERATIVE_MIN_K - 64), name
         assert schedule(graph, COOPERATIVE_MIN_K), name
+
+
+def test_gluon_default_leaves_cooperative_only_for_clearly_fewer_tile_rounds() -> None:
+    """The plain GEMM runs ping-pong where cooperative 128x256 tiles would leave the busiest of
+    132 SMs clearly more work than 128x128 ones: [3072, 2048] has 192 cooperative tiles (2 rounds
+    of 2 units) against 384 ping-pong ones (3 rounds of 1); equal or near rounds keep cooperative."""
+    def cooperative(m: int, n: int, graph=PLAIN, k: int = 8192) -> bool:
+        return default_config(graph, "bfloat16", False, m, n, k, "gluon-hopper").cooperative
+
+    assert not cooperative(3072, 2048)
+    assert not cooperative(3072, 2048, EPILOGUES["residual_norm_stats"].graph, COOPERATIVE_MIN_K)
+    # 128 cooperative tiles: 1 round (2 units) against 2 ping-pong rounds (2 units, slower K loop)
+    assert cooperative(2048, 2048)
+    # every plain GEMM of the Llama block at D=2048 and 4096 but the first keeps cooperative
+    for m, n in [(2048, 8192), (16384, 2048), (8192, 2048), (6144, 4096), (4096, 14336), (28672, 4096),
+                 (8192, 4096), (4096, 4096)]:
+        assert cooperative(m, n), (m, n)
 
 
 def test_config_space_holds_both_backends() -> None:

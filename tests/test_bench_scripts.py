@@ -152,6 +152,27 @@ def test_block_only_keeps_notes_made_after_its_last_row(cpu_harness, tmp_path, m
                      "notes": ["block D=4096 compile_max-autotune-no-cudagraphs: not run"]}
 
 
+def test_plain_rounds_covers_both_sides_of_the_rule_and_merges(tmp_path) -> None:
+    """bench/plain_rounds.py's shapes put the rule on both sides (its first shape ping-pong, the
+    rest cooperative), and --merge writes its table from a measured JSON on any machine."""
+    import plain_rounds
+    from coda.runtime.config import _cooperative_rounds_lose
+
+    picks = [_cooperative_rounds_lose(m, n) for m, n, _ in plain_rounds.SHAPES]
+    assert picks[0] and not any(picks[1:])
+    base = {"shape": [3072, 2048, 8192], "a": "col", "rule_picks": "ping-pong", "default_cooperative": False}
+    rows = [{**base, "variant": "cuBLAS", "ms": 0.2}, {**base, "variant": "default", "ms": 0.21, "err": 1e-3},
+            {**base, "variant": "cooperative", "ms": 0.25, "err": 1e-3}]
+    data = {"meta": {"gpu": "g", "torch": "t", "triton": "3.6.0", "commit": "c", "protocol": "p"}, "rows": rows,
+            "notes": ["[3072, 2048, 8192] a col ping-pong: RuntimeError: x"]}
+    (tmp_path / "in.json").write_text(json.dumps(data))
+    subprocess.run([sys.executable, plain_rounds.__file__, "--merge", str(tmp_path / "in.json"), "--out",
+                    str(tmp_path / "res")], check=True, capture_output=True)
+    md = (tmp_path / "res" / "plain_rounds.md").read_text()
+    assert "| [3072, 2048, 8192] | col | ping-pong | 0.2000 | 0.2100 (1.050) | 0.2500 (1.250) | - |" in md
+    assert "* [3072, 2048, 8192] a col ping-pong: RuntimeError: x" in md
+
+
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
     """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
     row, not-issued twins of each stall metric, columns found by name)."""

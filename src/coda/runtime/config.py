@@ -169,7 +169,7 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
                    backend: Backend = "triton") -> Config:
     """A reasonable config without tuning."""
     if backend == "gluon-hopper":
-        return _gluon_default(graph, 4 if in_dtype == "float32" else 2, k)
+        return _gluon_default(graph, 4 if in_dtype == "float32" else 2, m, n, k)
     if interpret:
         block = 16 if max(m, n) <= 64 else 32
         cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
@@ -193,8 +193,28 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
 # shorter K ping-pong's hidden epilogue wins (e.g. RoPE 1.12 vs 1.19 at K = 2048).
 COOPERATIVE_MIN_K = 8192
 
+# The default's picture of the GPU for tile rounds: an H100 SXM's or H200's SMs. A wrong count
+# only makes the default a worse guess (tuning measures); the grid itself is the device's.
+HOPPER_SMS = 132
+# Ping-pong's plain K loop against cooperative's from K = 2048 on (coop_ksweep_d2048.md,
+# ksweep_d2048.md: 1.04-1.10x against 0.98-1.05x cuBLAS), the upper end, so that only a clear
+# win in tile rounds leaves the cooperative schedule.
+PINGPONG_KLOOP_COST = 1.10
 
-def _gluon_default(graph: Graph, in_size: int, k: int) -> Config:
+
+def _cooperative_rounds_lose(m: int, n: int) -> bool:
+    """True when the cooperative 128x256 tiles leave the persistent grid's busiest SM clearly more
+    work than ping-pong's 128x128: each SM runs its tiles one after another, a cooperative tile
+    being two ping-pong tiles' work. [3072, 2048, K] (D=2048's qkv weight gradient) is the case:
+    192 cooperative tiles take 2 rounds on 132 SMs, 4 units, against ping-pong's 384 in 3, and the
+    H200 measured its cooperative plain GEMM at 1.16x cuBLAS (block_kernels.md, caf40b4)."""
+    rows = -(-m // 128)
+    coop_rounds = -(-(rows * -(-n // 256)) // HOPPER_SMS)
+    pingpong_rounds = -(-(rows * -(-n // 128)) // HOPPER_SMS)
+    return PINGPONG_KLOOP_COST * pingpong_rounds < 2 * coop_rounds
+
+
+def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config:
     """128x128 tiles per consumer (a 128-register accumulator each, full-width MMAs) behind a
     4-slot ring, the best gluon-hopper tile in the H200 sweep (bench/results/block_kernels.json).
     The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
@@ -206,11 +226,12 @@ def _gluon_default(graph: Graph, in_size: int, k: int) -> Config:
     RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md).
     The plain GEMM, and any epilogue from K = COOPERATIVE_MIN_K on, take the cooperative
     schedule on a 128x256 tile (32-column subtiles: no spills in sm_90 compiles of the block's
-    epilogues, where 64-column ones spill) where it fits shared memory."""
+    epilogues, where 64-column ones spill) where it fits shared memory, unless its tiles would
+    leave the grid's busiest SM clearly more work (`_cooperative_rounds_lose`)."""
     need = min_block_n(graph)
     loop = graph.uses_width(Fraction(2))
     plain = not graph.operands and len(graph.outputs) == 1 and isinstance(graph.outputs[0], StoreOutput)
-    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32:
+    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32 and not _cooperative_rounds_lose(m, n):
         cfg = Config(backend="gluon-hopper", block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3,
                      subtile=8, epilogue_loop=loop, cooperative=True)
         if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:

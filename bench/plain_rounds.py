@@ -2,7 +2,7 @@
 
 The default runs plain GEMMs cooperative (128x256 tiles) unless those tiles would leave the
 persistent grid's busiest SM clearly more work than ping-pong's 128x128
-(`coda.runtime.config._cooperative_rounds_lose`). For shapes on both sides of that rule, and
+(`coda.runtime.config.cooperative_rounds_lose`). For shapes on both sides of that rule, and
 both memory orders of a, time coda's plain GEMM under the default config, forced cooperative and
 forced ping-pong, beside torch.matmul (cuBLAS) of the same operands; every variant is checked
 against fp32 first.
@@ -24,7 +24,7 @@ import torch
 import coda
 import harness
 from coda.runtime import launch
-from coda.runtime.config import _cooperative_rounds_lose, default_config
+from coda.runtime.config import cooperative_rounds_lose, default_config
 from harness import NOTES, gemm_error, gemm_reference, log
 
 # [M, N, K]: D=2048's qkv weight gradient (the rule picks ping-pong), then D=4096's and three
@@ -45,7 +45,7 @@ def measure() -> list[dict]:
             b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
             ref = gemm_reference(launch.PLAIN, a, b, {})
             default = default_config(launch.PLAIN, "bfloat16", False, m, n, k, "gluon-hopper")
-            base = {"shape": [m, n, k], "a": a_order, "rule_picks": "ping-pong" if _cooperative_rounds_lose(m, n)
+            base = {"shape": [m, n, k], "a": a_order, "rule_picks": "ping-pong" if cooperative_rounds_lose(m, n)
                     else "cooperative", "default_cooperative": default.cooperative}
             blas = harness.timed(lambda: a @ b)
             rows.append({**base, "variant": "cuBLAS", "ms": blas})

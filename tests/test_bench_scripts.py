@@ -156,9 +156,9 @@ def test_plain_rounds_covers_both_sides_of_the_rule_and_merges(tmp_path) -> None
     """bench/plain_rounds.py's shapes put the rule on both sides (its first shape ping-pong, the
     rest cooperative), and --merge writes its table from a measured JSON on any machine."""
     import plain_rounds
-    from coda.runtime.config import _cooperative_rounds_lose
+    from coda.runtime.config import cooperative_rounds_lose
 
-    picks = [_cooperative_rounds_lose(m, n) for m, n, _ in plain_rounds.SHAPES]
+    picks = [cooperative_rounds_lose(m, n) for m, n, _ in plain_rounds.SHAPES]
     assert picks[0] and not any(picks[1:])
     base = {"shape": [3072, 2048, 8192], "a": "col", "rule_picks": "ping-pong", "default_cooperative": False}
     rows = [{**base, "variant": "cuBLAS", "ms": 0.2}, {**base, "variant": "default", "ms": 0.21, "err": 1e-3},

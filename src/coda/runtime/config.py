@@ -202,7 +202,7 @@ HOPPER_SMS = 132
 PINGPONG_KLOOP_COST = 1.10
 
 
-def _cooperative_rounds_lose(m: int, n: int) -> bool:
+def cooperative_rounds_lose(m: int, n: int) -> bool:
     """True when the cooperative 128x256 tiles leave the persistent grid's busiest SM clearly more
     work than ping-pong's 128x128: each SM runs its tiles one after another, a cooperative tile
     being two ping-pong tiles' work. [3072, 2048, K] (D=2048's qkv weight gradient) is the case:
@@ -227,11 +227,11 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
     The plain GEMM, and any epilogue from K = COOPERATIVE_MIN_K on, take the cooperative
     schedule on a 128x256 tile (32-column subtiles: no spills in sm_90 compiles of the block's
     epilogues, where 64-column ones spill) where it fits shared memory, unless its tiles would
-    leave the grid's busiest SM clearly more work (`_cooperative_rounds_lose`)."""
+    leave the grid's busiest SM clearly more work (`cooperative_rounds_lose`)."""
     need = min_block_n(graph)
     loop = graph.uses_width(Fraction(2))
     plain = not graph.operands and len(graph.outputs) == 1 and isinstance(graph.outputs[0], StoreOutput)
-    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32 and not _cooperative_rounds_lose(m, n):
+    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32 and not cooperative_rounds_lose(m, n):
         cfg = Config(backend="gluon-hopper", block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3,
                      subtile=8, epilogue_loop=loop, cooperative=True)
         if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:

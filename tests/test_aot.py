@@ -147,3 +147,38 @@ def test_rope_at_the_untuned_config_spills_no_more_than_measured(aot_report: dic
     coda.sin/cos clamp their reduced argument (bounded results for huge |x|). The tuner drops
     spilling configs; this bound only keeps it from growing unnoticed."""
     assert aot_report["rope_default"]["ptxas_spill_bytes"][0] <= 1212
+
+
+ROPE_BACKWARD_SCRIPT = textwrap.dedent('''
+    import json, re
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from coda.ops.rowwise import _rope_backward_kernel
+
+    sig = {"dz_ptr": "*bf16", "z_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*bf16",
+           "zdz_ptr": "*fp32", "P": "i32", "stride_dz": "i32", "stride_z": "i32", "stride_out": "i32",
+           "BLOCK": "constexpr", "OUT": "constexpr", "RNE": "constexpr"}
+    # what the JIT specializes a block-shaped launch to: aligned pointers, P and strides multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
+    src = ASTSource(fn=_rope_backward_kernel, signature=sig, attrs=attrs,
+                    constexprs={"BLOCK": 256, "OUT": tl.bfloat16, "RNE": False})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 2}).asm["ptx"]
+    print(json.dumps({op: len(re.findall(re.escape(op) + r"\\b", ptx)) for op in
+                      ("ld.global.v4", "ld.global.b16", "st.global.v4", "st.global.b16", "ld.local", "st.local")}))
+''')
+
+
+def test_rope_backward_moves_16_byte_vectors_on_sm90(tmp_path) -> None:
+    """The RoPE backward reads dz and z and writes its output as 16-byte vectors on sm_90 (PTX),
+    not as 2-byte scalars: what loading a pair's even and odd columns separately compiled to (64
+    scalar loads and 32 scalar stores a thread at 0ef7040)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", ROPE_BACKWARD_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["ld.global.v4"] >= 2 and counts["st.global.v4"] >= 1, counts
+    assert counts["ld.global.b16"] == counts["st.global.b16"] == 0, counts
+    assert counts["ld.local"] == counts["st.local"] == 0, counts

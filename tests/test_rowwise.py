@@ -82,10 +82,11 @@ def test_cross_entropy_statistics_and_gradient_in_place(dtype: torch.dtype) -> N
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("n", [scale(40, 3072), 600], ids=["one_chunk", "chunks_and_tail"])
+def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype, n: int) -> None:
     """dz rotated by -theta per adjacent pair (the transpose of the forward rotation), and
-    zdz = sum(z * dz) per row."""
-    m, n = 9, scale(40, 3072)
+    zdz = sum(z * dz) per row; 600 columns take two 256-pair chunks and a ragged third."""
+    m = 9
     pos = torch.arange(m, device=DEVICE) * 37
     freq = torch.rand(n // 2, device=DEVICE)
     dz, z = torch.randn(m, n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)

@@ -121,18 +121,25 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
 @triton.jit
 def _rope_backward_kernel(dz_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P, stride_dz, stride_z, stride_out,
                           BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    # A row in chunks of BLOCK pairs. Each chunk is read and written as 2 * BLOCK contiguous
+    # columns and split into the pairs' halves in registers: wide vector loads and stores, where
+    # loading the even and the odd columns separately issues two strided accesses per row.
     row = tl.program_id(0).to(tl.int64)
-    pairs = tl.arange(0, BLOCK)
-    mask = pairs < P
-    theta = tl.load(pos_ptr + row).to(tl.float32) * tl.load(freq_ptr + pairs, mask=mask, other=0.0)
-    c, s = _trig(theta, 1), _trig(theta, 0)
-    da = tl.load(dz_ptr + row * stride_dz + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
-    db = tl.load(dz_ptr + row * stride_dz + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
-    za = tl.load(z_ptr + row * stride_z + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
-    zb = tl.load(z_ptr + row * stride_z + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + 2 * pairs, _cast(da * c + db * s, OUT, RNE), mask=mask)
-    tl.store(out_ptr + row * stride_out + 2 * pairs + 1, _cast(db * c - da * s, OUT, RNE), mask=mask)
-    tl.store(zdz_ptr + row, tl.sum(za * da + zb * db, axis=0))
+    angle = tl.load(pos_ptr + row).to(tl.float32)
+    dot = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, P, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        cols = 2 * start + tl.arange(0, 2 * BLOCK)
+        theta = angle * tl.load(freq_ptr + pairs, mask=pairs < P, other=0.0)
+        c, s = _trig(theta, 1), _trig(theta, 0)
+        da, db = tl.split(tl.reshape(tl.load(dz_ptr + row * stride_dz + cols, mask=cols < 2 * P, other=0.0)
+                                     .to(tl.float32), (BLOCK, 2)))
+        za, zb = tl.split(tl.reshape(tl.load(z_ptr + row * stride_z + cols, mask=cols < 2 * P, other=0.0)
+                                     .to(tl.float32), (BLOCK, 2)))
+        rotated = tl.interleave(da * c + db * s, db * c - da * s)
+        tl.store(out_ptr + row * stride_out + cols, _cast(rotated, OUT, RNE), mask=cols < 2 * P)
+        dot += za * da + zb * db
+    tl.store(zdz_ptr + row, tl.sum(dot, axis=0))
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -252,9 +259,12 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     out = torch.empty_like(dz, memory_format=torch.contiguous_format)
     zdz = torch.empty(m, device=dz.device, dtype=torch.float32)
     if m:
+        # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
+        # power-of-two padding of the row (the block's q and k widths are multiples of 512)
         _rope_backward_kernel[(m,)](dz, z, pos, freq, out, zdz, n // 2,
                                     dz.stride(0), z.stride(0), out.stride(0),
-                                    BLOCK=triton.next_power_of_2(n // 2), **_out_args(dz.dtype))
+                                    BLOCK=min(256, triton.next_power_of_2(n // 2)), num_warps=2,
+                                    **_out_args(dz.dtype))
     return out, zdz
 
 

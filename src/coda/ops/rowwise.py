@@ -260,7 +260,7 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     zdz = torch.empty(m, device=dz.device, dtype=torch.float32)
     if m:
         # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
-        # power-of-two padding of the row (the block's q and k widths are multiples of 512)
+        # power-of-two padding of the row (the block passes all of qkv: 3072 or 6144 columns, 512 a chunk)
         _rope_backward_kernel[(m,)](dz, z, pos, freq, out, zdz, n // 2,
                                     dz.stride(0), z.stride(0), out.stride(0),
                                     BLOCK=min(256, triton.next_power_of_2(n // 2)), num_warps=2,

@@ -19,6 +19,8 @@
 #  11. (tests_triton) the GPU tier again with CODA_BACKEND=triton: `tests` runs gluon-hopper wherever
 #      it can, so this is where the Triton backend meets the whole suite on the GPU (tests that need
 #      a particular backend still set it themselves; ~3 min)
+#  12. (rowwise) bench/rowwise_bandwidth.py: the row-pass kernels (RoPE backward, RMSNorm prep, input gradient and
+#      backward, the cross-entropy pass) against torch.add's bandwidth (~1 min)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -62,6 +64,7 @@ for step in $steps; do
     tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
     tests_triton) CODA_BACKEND=triton CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 \
                     | tee "$OUT/gpu_tier_triton.log" | tail -15 ;;
+    rowwise) timeout ${STEP_TIMEOUT:-540} python3 bench/rowwise_bandwidth.py --out "$OUT" 2>&1 | tee "$OUT/rowwise.log" | tail -12 ;;
     epilogues) timeout ${STEP_TIMEOUT:-540} python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
                  | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
     ops) timeout ${STEP_TIMEOUT:-540} python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
@@ -122,7 +125,7 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum; 
         echo "== cuBLAS [8192, 8192, 2048]"
         ncu_cublas gpu__time_duration.sum,$group
       done 2>&1 | tee "$OUT/xbar_ncu.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, rowwise, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

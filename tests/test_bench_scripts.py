@@ -173,6 +173,20 @@ def test_plain_rounds_covers_both_sides_of_the_rule_and_merges(tmp_path) -> None
     assert "* [3072, 2048, 8192] a col ping-pong: RuntimeError: x" in md
 
 
+def test_rowwise_script(cpu_harness) -> None:
+    """bench/rowwise_bandwidth.py at tiny shapes: every row pass passes its PyTorch check (the cross-entropy
+    pass at the first width only) and gets its bandwidth ratio to torch.add."""
+    import rowwise_bandwidth as bench_rowwise
+
+    rows = bench_rowwise.measure(m=8, widths={32: 48, 64: 96}, vocab=70)
+    assert cpu_harness.NOTES == []
+    assert [(r["D"], r["kernel"]) for r in rows] == [
+        (32, "rope_backward"), (32, "rms_prep"), (32, "rms_input_grad"), (32, "rms_backward"), (32, "cross_entropy_"),
+        (64, "rope_backward"), (64, "rms_prep"), (64, "rms_input_grad"), (64, "rms_backward")]
+    assert all(r["err"] < 2e-2 and r["x_add"] > 0 for r in rows)
+    assert "| 32 | cross_entropy_ |" in bench_rowwise.table(rows)
+
+
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
     """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
     row, not-issued twins of each stall metric, columns found by name)."""

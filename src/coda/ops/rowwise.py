@@ -268,4 +268,4 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     return out, zdz
 
 
-__all__ = ["rms_prep", "rms_input_grad", "cross_entropy_", "rope_backward"]
+__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "cross_entropy_", "rope_backward"]

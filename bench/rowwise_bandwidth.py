@@ -1,0 +1,153 @@
+"""coda's row-pass kernels (coda.ops.rowwise) against the memory bandwidth they could use (H200).
+
+Each row pass is memory-bound: its time is set by the bytes it moves. For each kernel at the
+Llama block's shapes (M=8192, D=2048 and 4096), check it against a PyTorch formula, time it, and
+time in the same run a PyTorch elementwise op over tensors of the same sizes (`torch.add`: two
+inputs, one output), whose achieved bandwidth is the yardstick:
+x = (kernel's bytes / kernel's time) / (add's bytes / add's time); 1.0 is as fast per byte as add.
+
+    python bench/rowwise_bandwidth.py --out DIR
+    python bench/rowwise_bandwidth.py --merge DIR/rowwise.json --out bench/results/rowwise
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import harness
+from coda.ops import rowwise
+from harness import NOTES, log, rel_err
+
+M = 8192
+QKV = {2048: 3072, 4096: 6144}  # D: the block's qkv width (RoPE's rows)
+V = 128256
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _yardstick(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """(ms, bytes) of torch.add over two distinct inputs shaped like the kernel's and one output."""
+    out = torch.empty_like(a)
+    return harness.timed(lambda: torch.add(a, b, out=out)), _bytes(a, b, out)
+
+
+def cases(d: int, qkv: int, m: int, vocab: int | None) -> list[tuple]:
+    """(name, run, check, bytes moved, yardstick inputs) at width d, RoPE over qkv columns, and
+    with `vocab` the cross-entropy pass over [m, vocab] logits."""
+    dev, bf16 = harness.DEVICE, torch.bfloat16
+    x, g = torch.randn(m, d, device=dev).to(bf16), torch.rand(d, device=dev) + 0.5
+    dz, z = torch.randn(m, qkv, device=dev).to(bf16), torch.randn(m, qkv, device=dev).to(bf16)
+    pos, freq = torch.arange(m, device=dev), torch.rand(qkv // 2, device=dev)
+    u, c = torch.randn(m, d, device=dev), torch.rand(m, device=dev)
+
+    def rope_check(result) -> float:
+        out, zdz = result
+        theta = pos[:, None].float() * freq[None, :]
+        a, b = dz.float()[:, 0::2], dz.float()[:, 1::2]
+        want = torch.stack([a * theta.cos() + b * theta.sin(), b * theta.cos() - a * theta.sin()], -1).reshape(m, qkv)
+        return max(rel_err(out, want), rel_err(zdz, (z.float() * dz.float()).sum(-1)))
+
+    def prep_check(result) -> float:
+        h, rstd = result
+        return max(rel_err(h, F.rms_norm(x.float(), (d,), g, 1e-6)),
+                   rel_err(rstd, torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)))
+
+    def backward_check(result) -> float:
+        dx, dg = result
+        xf, gf = x.float().requires_grad_(), g.clone().requires_grad_()
+        F.rms_norm(xf, (d,), gf, 1e-6).backward(dy.float())
+        return max(rel_err(dx, xf.grad), rel_err(dg, gf.grad))
+
+    dy = torch.randn(m, d, device=dev).to(bf16)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    rows = [
+        ("rope_backward", lambda: rowwise.rope_backward(dz, z, pos, freq), rope_check,
+         _bytes(dz, z, dz) + 4 * m, (dz, z)),
+        ("rms_prep", lambda: rowwise.rms_prep(x, g, 1e-6), prep_check, _bytes(x, x) + 4 * m, (x, x.clone())),
+        ("rms_input_grad", lambda: rowwise.rms_input_grad(u, x, c),
+         lambda dx: rel_err(dx, u - c[:, None] * x.float()), _bytes(u, x, x), (u, u.clone())),
+        ("rms_backward", lambda: rowwise.rms_backward(dy, x, g, rstd), backward_check, _bytes(dy, x, x) + 4 * m,
+         (dy, x)),
+    ]
+    if vocab:
+        logits = torch.randn(m, vocab, device=dev).to(bf16)
+        target, scale = torch.randint(0, vocab, (m,), device=dev), torch.full((m,), 1.0 / m, device=dev)
+        ref = logits.float()
+
+        def ce_check(result) -> float:
+            lse, tlogit = result
+            return max(rel_err(lse, torch.logsumexp(ref, -1)), rel_err(tlogit, ref.gather(1, target[:, None])[:, 0]))
+
+        # it overwrites the logits with their gradient, which later (timed) calls take as logits:
+        # the same work; two reads of the logits and one write
+        rows.append(("cross_entropy_", lambda: rowwise.cross_entropy_(logits, target, scale), ce_check,
+                     3 * _bytes(logits) + 16 * m, (logits, logits.clone())))
+    return rows
+
+
+def measure(m: int = M, widths: dict[int, int] = QKV, vocab: int = V) -> list[dict]:
+    """Rows for every kernel at every width (the cross-entropy pass at the first width only: its
+    logits are 2 GB at the real shape)."""
+    out = []
+    for i, (d, qkv) in enumerate(widths.items()):
+        for name, run, check, moved, like in cases(d, qkv, m, vocab if i == 0 else None):
+            try:
+                err = check(run())
+                if not err < 2e-2:
+                    raise AssertionError(f"error {err:.3g} against the PyTorch formula")
+                ms = harness.timed(run)
+                ref_ms, ref_bytes = _yardstick(*like)
+                ratio = (moved / ms) / (ref_bytes / ref_ms)
+                out.append({"D": d, "kernel": name, "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6,
+                            "add_GBps": ref_bytes / ref_ms / 1e6, "x_add": ratio, "err": err})
+                log(f"  D={d} {name:16s} {ms:.4f} ms  {moved / ms / 1e6:7.0f} GB/s  x add {ratio:.3f}")
+            except Exception as exc:  # noqa: BLE001
+                NOTES.append(f"D={d} {name}: {type(exc).__name__}: {str(exc)[:200]}")
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| D | kernel | ms | MB moved | GB/s | torch.add GB/s | x add |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['D']} | {r['kernel']} | {r['ms']:.4f} | {r['bytes'] / 1e6:.0f} | {r['GBps']:.0f} | "
+              f"{r['add_GBps']:.0f} | {r['x_add']:.3f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/rowwise"))
+    ap.add_argument("--merge", type=Path, help="write <out>/rowwise.{json,md} from a measured JSON")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        data = json.loads(args.merge.read_text())
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("rowwise_bandwidth.py measures on a CUDA GPU; --merge runs anywhere")
+        import triton
+
+        torch.manual_seed(0)
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "commit": harness.commit(), "python": platform.python_version(),
+                "protocol": f"do_bench median, bf16 activations, M={M}; each kernel checked against a PyTorch "
+                            "formula first; x add = its bytes per ms over torch.add's (same sizes, same run)"}
+        data = {"meta": meta, "rows": measure(), "notes": NOTES}
+    (args.out / "rowwise.json").write_text(json.dumps(data, indent=1))
+    meta = data["meta"]
+    md = ["# rowwise", "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}.",
+          "", meta["protocol"], "", table(data["rows"]), ""] + [f"* {n}" for n in data["notes"]]
+    (args.out / "rowwise.md").write_text("\n".join(md) + "\n")
+    log(table(data["rows"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -53,6 +53,16 @@ def swiglu_math_only(acc):
     return acc * dgate + acc * dup + acc * s * acc
 
 
+@coda.epilogue
+def swiglu_backward_keep_h(acc, z: coda.Tile(width=2)):
+    """The SwiGLU backward if the forward's h were kept for dW_down: swiglu_backward_zdz without
+    its y output (a third of its stores), at M x FFN of activation memory a layer."""
+    gate, up = coda.pairs(z)
+    s = coda.sigmoid(gate)
+    dgate, dup = acc * up * s * (1.0 + gate * (1.0 - s)), acc * gate * s
+    return {"dz": coda.interleave(dgate, dup), "zdz": coda.reduce_n(gate * dgate + up * dup, "sum")}
+
+
 def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     """(epilogue, a, b, operands) of one block GEMM at D=d, FFN=f (b = W.T, nn.Linear layout);
     `k` replaces the GEMM's inner size (64: the epilogue alone, next to a negligible K loop)."""
@@ -60,6 +70,8 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     dev = harness.DEVICE
     if name == "swiglu_backward_zdz":
         return E.swiglu_backward_zdz, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
+    if name == "swiglu_backward_keep_h":
+        return swiglu_backward_keep_h, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
     if name == "swiglu_loads_only":
         return swiglu_loads_only, rand(m, kd), rand(f, kd, scale=kd**-0.5).T, {"z": rand(m, 2 * f)}
     if name == "swiglu_stores_only":
@@ -88,7 +100,7 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
     raise ValueError(name)
 
 
-CASES = ["swiglu_backward_zdz", "swiglu_loads_only", "swiglu_stores_only", "swiglu_math_only", "plain_swiglu_shape",
+CASES = ["swiglu_backward_zdz", "swiglu_backward_keep_h", "swiglu_loads_only", "swiglu_stores_only", "swiglu_math_only", "plain_swiglu_shape",
          "plain_d", "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope"]
 BASE = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
 CONFIGS = {

@@ -21,6 +21,8 @@
 #      a particular backend still set it themselves; ~3 min)
 #  12. (rowwise) bench/rowwise_bandwidth.py: the row-pass kernels (RoPE backward, RMSNorm prep, input gradient and
 #      backward, the cross-entropy pass) against torch.add's bandwidth (~1 min)
+#  13. (keep_h) bench/epilogue_cost.py: the SwiGLU backward with and without its y stores (what keeping
+#      the forward's h would save) beside its plain GEMM, D=2048 then 4096, untuned (~2 min)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
 #   bash bench/gpu_session.sh tests | epilogues | ops | profile | train | timeline   (several steps may share one device call:
 #   measured on the H200 with a seeded tuning cache, tests 1.5 min, epilogues 4, ops 1.5, profile 0.5; a cold
@@ -64,6 +66,11 @@ for step in $steps; do
     tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 | tee "$OUT/gpu_tier.log" | tail -15 ;;
     tests_triton) CODA_BACKEND=triton CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 \
                     | tee "$OUT/gpu_tier_triton.log" | tail -15 ;;
+    keep_h) for d_f in "2048 8192" "4096 14336"; do
+              set -- $d_f
+              CODA_AUTOTUNE=0 timeout 250 python3 bench/epilogue_cost.py --out "$OUT/keep_h_d$1" --d "$1" --f "$2" --alone no \
+                --cases swiglu_backward_zdz,swiglu_backward_keep_h,plain_swiglu_shape --configs "sub4 loop" 2>&1 | tail -8
+            done | tee "$OUT/keep_h.log" ;;
     rowwise) timeout ${STEP_TIMEOUT:-540} python3 bench/rowwise_bandwidth.py --out "$OUT" 2>&1 | tee "$OUT/rowwise.log" | tail -12 ;;
     epilogues) timeout ${STEP_TIMEOUT:-540} python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
                  | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
@@ -125,7 +132,7 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum; 
         echo "== cuBLAS [8192, 8192, 2048]"
         ncu_cublas gpu__time_duration.sum,$group
       done 2>&1 | tee "$OUT/xbar_ncu.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, rowwise, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, rowwise, keep_h, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

@@ -427,3 +427,19 @@ def test_eturn_handoff_subtile() -> None:
     from coda.templates.gluon_helpers import _eturn_handoff
 
     assert [_eturn_handoff(s, e) for s, e in ((4, 2), (4, 4), (1, 2), (8, 2), (2, 3))] == [2, 0, 0, 6, 0]
+
+
+def test_gluon_clusters_do_not_multicast_tma_loads_on_sm90(tmp_path: Path) -> None:
+    """What bench/probe_multicast.py finds in triton 3.6: a 2-CTA cluster launch compiles, but a TMA
+    load into a tile both CTAs hold stays one plain load per CTA, not `.multicast::cluster`. So
+    gluon-hopper cannot share an operand load across a CTA pair as cuBLAS's clustered kernels do.
+    If this fails after a Triton upgrade, multicast may have become reachable: revisit
+    docs/DESIGN.md, "Where the gluon-hopper work stands", item 2."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "probe_multicast.py")], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    facts = json.loads(proc.stdout)
+    assert facts["cluster_ctas"] == 2 and facts["tma_loads"] == 1, facts
+    assert facts["multicast_loads"] == 0, f"Gluon now multicasts TMA loads on sm_90: {facts}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -263,26 +262,17 @@ def main() -> None:
         data = json.loads(args.merge.read_text())
         if args.note:
             data["meta"]["note"] = args.note
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "block_kernels.json").write_text(json.dumps(data, indent=1))
-        md = ["# block_kernels", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton "
-              f"{data['meta']['triton']}, commit {data['meta']['commit']}.", "", data["meta"]["protocol"], "",
-              *([data["meta"]["note"], ""] if data["meta"].get("note") else []), table(data), ""]
-        md += [f"* {n}" for n in data["notes"]]
-        (args.out / "block_kernels.md").write_text("\n".join(md) + "\n")
+        note = data["meta"].get("note")
+        harness.write_results(args.out, "block_kernels", data, table(data), (note,) if note else ())
         return
     if not torch.cuda.is_available():
         sys.exit("block_kernels.py measures on a CUDA GPU; --merge runs anywhere")
-    import triton
-
     t0 = time.time()
     torch.manual_seed(0)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": harness.commit(), "python": platform.python_version(),
-            "autotune": os.environ.get("CODA_AUTOTUNE", "1"),
-            "protocol": "do_bench median, bf16, M=8192; each kernel replayed alone on the operands the block gave "
-                        "it (checked against the fp32 reference of its epilogue first); bare_gemm_ms = torch.matmul "
-                        "(cuBLAS) of the same operands; block rows forward+backward, checked against fp32."}
+    meta = harness.run_meta("do_bench median, bf16, M=8192; each kernel replayed alone on the operands the block gave "
+                            "it (checked against the fp32 reference of its epilogue first); bare_gemm_ms = torch.matmul "
+                            "(cuBLAS) of the same operands; block rows forward+backward, checked against fp32.",
+                            autotune=os.environ.get("CODA_AUTOTUNE", "1"))
     data = {"meta": meta, "rows": [], "sweep": [], "block": [], "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)
     if args.block_only:

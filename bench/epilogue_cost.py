@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -230,26 +229,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.merge:
         data = json.loads(args.merge.read_text())
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.name}.json").write_text(json.dumps(data, indent=1))
-        md = [f"# {args.name}", "", f"{data['meta']['gpu']}, torch {data['meta']['torch']}, triton "
-              f"{data['meta']['triton']}, commit {data['meta']['commit']}.", "", data["meta"]["protocol"], "",
-              "Each cell: ms / cuBLAS ms of the same GEMM (same run).", "", table(data), ""]
-        md += [f"* {n}" for n in data["notes"]]
-        (args.out / f"{args.name}.md").write_text("\n".join(md) + "\n")
+        harness.write_results(args.out, args.name, data, table(data),
+                              ("Each cell: ms / cuBLAS ms of the same GEMM (same run).",))
         return
     if not torch.cuda.is_available():
         sys.exit("epilogue_cost.py measures on a CUDA GPU; --merge runs anywhere")
-    import triton
-
     torch.manual_seed(0)
     if args.launch:
         launch_once(args.launch, args.m, args.d, args.f, args.k, args.config)
         return
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": harness.commit(), "python": platform.python_version(),
-            "protocol": f"do_bench median, bf16, M={args.m}, D={args.d}, FFN={args.f}; each kernel checked against "
-                        "its fp32 reference first; cuBLAS = torch.matmul of the same operands, timed in the same run"}
+    meta = harness.run_meta(f"do_bench median, bf16, M={args.m}, D={args.d}, FFN={args.f}; each kernel checked "
+                            "against its fp32 reference first; cuBLAS = torch.matmul of the same operands, timed in "
+                            "the same run")
     # the epilogues alone first (K = 64: a tile's time is then its epilogue's, the consumers'
     # epilogues taking turns), on both backends; then the real shapes under the gluon configs
     cases = args.cases.split(",") if args.cases else CASES

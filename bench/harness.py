@@ -1,6 +1,8 @@
 """What every GPU benchmark script here shares: check-then-time rows (the benchmark protocol in docs/DESIGN.md)."""
 
+import json
 import os
+import platform
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +22,29 @@ def commit() -> str:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent)
     return head.stdout.strip() or "unknown"
+
+
+def run_meta(protocol: str, **extra: object) -> dict:
+    """What a results file records about its run: the GPU, the versions, the commit measured,
+    any `extra` facts, and the protocol."""
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit(), "python": platform.python_version(), **extra, "protocol": protocol}
+
+
+def write_results(out: Path, name: str, data: dict, table: str, preface: tuple[str, ...] = ()) -> None:
+    """<out>/<name>.json (`data`: {"meta", "notes", ...}) and <out>/<name>.md: the run's GPU,
+    versions and commit, its protocol, `preface` paragraphs, the table, then the notes."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    meta = data["meta"]
+    md = [f"# {name}", "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}.",
+          "", meta["protocol"], ""]
+    for paragraph in preface:
+        md += [paragraph, ""]
+    md += [table, ""] + [f"* {n}" for n in data["notes"]]
+    (out / f"{name}.md").write_text("\n".join(md) + "\n")
 
 
 def log(msg: str) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -82,27 +81,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/plain_rounds"))
     ap.add_argument("--merge", type=Path, help="write <out>/plain_rounds.{json,md} from a measured JSON")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         data = json.loads(args.merge.read_text())
     else:
         if not torch.cuda.is_available():
             sys.exit("plain_rounds.py measures on a CUDA GPU; --merge runs anywhere")
-        import triton
-
         torch.manual_seed(0)
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "commit": harness.commit(), "python": platform.python_version(),
-                "protocol": "do_bench median, bf16, untuned configs given explicitly; each checked against fp32 "
-                            "first; cuBLAS = a @ b of the same operands in the same run"}
+        meta = harness.run_meta("do_bench median, bf16, untuned configs given explicitly; each checked against "
+                                "fp32 first; cuBLAS = a @ b of the same operands in the same run")
         data = {"meta": meta, "rows": measure(), "notes": NOTES}
-    (args.out / "plain_rounds.json").write_text(json.dumps(data, indent=1))
-    meta = data["meta"]
-    md = ["# plain_rounds", "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
-          f"{meta['commit']}.", "", meta["protocol"], "", table(data["rows"]), ""] + [f"* {n}" for n in data["notes"]]
-    (args.out / "plain_rounds.md").write_text("\n".join(md) + "\n")
+    harness.write_results(args.out, "plain_rounds", data, table(data["rows"]))
     log(table(data["rows"]))
-
 
 if __name__ == "__main__":
     main()

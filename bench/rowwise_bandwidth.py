@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -127,27 +126,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/rowwise"))
     ap.add_argument("--merge", type=Path, help="write <out>/rowwise.{json,md} from a measured JSON")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         data = json.loads(args.merge.read_text())
     else:
         if not torch.cuda.is_available():
             sys.exit("rowwise_bandwidth.py measures on a CUDA GPU; --merge runs anywhere")
-        import triton
-
         torch.manual_seed(0)
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "commit": harness.commit(), "python": platform.python_version(),
-                "protocol": f"do_bench median, bf16 activations, M={M}; each kernel checked against a PyTorch "
-                            "formula first; x add = its bytes per ms over torch.add's (same sizes, same run)"}
+        meta = harness.run_meta(f"do_bench median, bf16 activations, M={M}; each kernel checked against a "
+                                "PyTorch formula first; x add = its bytes per ms over torch.add's (same sizes, same run)")
         data = {"meta": meta, "rows": measure(), "notes": NOTES}
-    (args.out / "rowwise.json").write_text(json.dumps(data, indent=1))
-    meta = data["meta"]
-    md = ["# rowwise", "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}.",
-          "", meta["protocol"], "", table(data["rows"]), ""] + [f"* {n}" for n in data["notes"]]
-    (args.out / "rowwise.md").write_text("\n".join(md) + "\n")
+    harness.write_results(args.out, "rowwise", data, table(data["rows"]))
     log(table(data["rows"]))
-
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,7 @@ FORCED = {
 
 def measure() -> list[dict]:
     rows = []
+    forced = [(label, coda.Config(backend="gluon-hopper", **c)) for label, c in FORCED.items()]
     for m, n, k in SHAPES:
         for a_order in ("row", "col"):
             a = (torch.randn(m, k) if a_order == "row" else torch.randn(k, m).T).to("cuda", torch.bfloat16)
@@ -48,7 +49,6 @@ def measure() -> list[dict]:
                     else "cooperative", "default_cooperative": default.cooperative}
             blas = harness.timed(lambda: a @ b)
             rows.append({**base, "variant": "cuBLAS", "ms": blas})
-            forced = [(label, coda.Config(backend="gluon-hopper", **c)) for label, c in FORCED.items()]
             for name, cfg in [("default", default)] + forced:
                 try:
                     err = gemm_error(launch.run(launch.PLAIN, a, b, {}, config=cfg), ref)

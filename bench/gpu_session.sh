@@ -21,6 +21,7 @@
 #      a particular backend still set it themselves; ~3 min)
 #  12. (rowwise) bench/rowwise_bandwidth.py: the row-pass kernels (RoPE backward, RMSNorm prep, input gradient and
 #      backward, the cross-entropy pass) against torch.add's bandwidth (~1 min)
+#  12b. (rowwise_sweep) the same, and rms_backward under each tiling of its TILINGS (~4 min, estimated)
 #  13. (keep_h) bench/epilogue_cost.py: the SwiGLU backward with and without its y stores (what keeping
 #      the forward's h would save) beside its plain GEMM, D=2048 then 4096, untuned (~2 min)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):
@@ -72,6 +73,8 @@ for step in $steps; do
                 --cases swiglu_backward_zdz,swiglu_backward_keep_h,plain_swiglu_shape --configs "sub4 loop" 2>&1 | tail -8
             done | tee "$OUT/keep_h.log" ;;
     rowwise) timeout ${STEP_TIMEOUT:-540} python3 bench/rowwise_bandwidth.py --out "$OUT" 2>&1 | tee "$OUT/rowwise.log" | tail -12 ;;
+    rowwise_sweep) timeout ${STEP_TIMEOUT:-540} python3 bench/rowwise_bandwidth.py --sweep --out "$OUT" 2>&1 \
+                     | tee "$OUT/rowwise.log" | grep -A12 "fastest first" ;;
     epilogues) timeout ${STEP_TIMEOUT:-540} python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 \
                  | grep -v '^\[coda tune\]   \[' | tee "$OUT/epilogues.log" | tail -30 ;;
     ops) timeout ${STEP_TIMEOUT:-540} python3 bench/ops_block.py --out "$OUT" 2>&1 | grep -v '^\[coda tune\]   \[' \
@@ -132,7 +135,7 @@ lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum; 
         echo "== cuBLAS [8192, 8192, 2048]"
         ncu_cublas gpu__time_duration.sum,$group
       done 2>&1 | tee "$OUT/xbar_ncu.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, rowwise, keep_h, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, rowwise, rowwise_sweep, keep_h, epilogues, ops, profile, train, timeline, stores, l2, xbar, block)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

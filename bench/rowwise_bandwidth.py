@@ -6,13 +6,17 @@ time in the same run a PyTorch elementwise op over tensors of the same sizes (`t
 inputs, one output), whose achieved bandwidth is the yardstick:
 x = (kernel's bytes / kernel's time) / (add's bytes / add's time); 1.0 is as fast per byte as add.
 
-    python bench/rowwise_bandwidth.py --out DIR
+With --sweep, also `rms_backward` under every tiling of TILINGS (rows per step, programs per SM,
+warps, pipeline stages) at each width, against the same yardstick: where its default comes from.
+
+    python bench/rowwise_bandwidth.py --out DIR [--sweep]
     python bench/rowwise_bandwidth.py --merge DIR/rowwise.json --out bench/results/rowwise
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -27,6 +31,8 @@ from harness import NOTES, log, rel_err
 M = 8192
 QKV = {2048: 3072, 4096: 6144}  # D: the block's qkv width (RoPE's rows)
 V = 128256
+# rms_backward tilings of --sweep: (rows per step, programs per SM, num_warps, stages)
+TILINGS = [rowwise.RmsBackwardTiling(*t) for t in itertools.product((1, 2, 4), (1, 2, 4, 8), (4, 8), (1, 2))]
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -114,6 +120,43 @@ def measure(m: int = M, widths: dict[int, int] = QKV, vocab: int = V) -> list[di
     return out
 
 
+def sweep(m: int = M, widths: tuple[int, ...] = tuple(QKV), tilings: list = TILINGS) -> list[dict]:
+    """rms_backward under each tiling at each width: ms, x add, and whether it is the default."""
+    dev, bf16, out = harness.DEVICE, torch.bfloat16, []
+    for d in widths:
+        x, dy = torch.randn(m, d, device=dev).to(bf16), torch.randn(m, d, device=dev).to(bf16)
+        g = torch.rand(d, device=dev) + 0.5
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+        xf, gf = x.float().requires_grad_(), g.clone().requires_grad_()
+        F.rms_norm(xf, (d,), gf, 1e-6).backward(dy.float())
+        ref_ms, ref_bytes = _yardstick(dy, x)
+        moved, default = _bytes(dy, x, x) + 4 * m, rowwise.rms_backward_tiling(d)
+        for t in tilings:
+            run = lambda: rowwise.rms_backward(dy, x, g, rstd, t)  # noqa: E731
+            try:
+                dx, dg = run()
+                err = max(rel_err(dx, xf.grad), rel_err(dg, gf.grad))
+                if not err < 2e-2:
+                    raise AssertionError(f"error {err:.3g} against F.rms_norm's backward")
+                ms = harness.timed(run)
+            except Exception as exc:  # noqa: BLE001
+                NOTES.append(f"sweep D={d} {tuple(t)}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            ratio = (moved / ms) / (ref_bytes / ref_ms)
+            out.append({"D": d, "tiling": list(t), "default": t == default, "ms": ms, "x_add": ratio, "err": err})
+            log(f"  sweep D={d} {tuple(t)} {ms:.4f} ms  x add {ratio:.3f}{'  (default)' if t == default else ''}")
+    return out
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = ["| D | rows | programs/SM | warps | stages | ms | x add |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["D"], r["ms"])):
+        rows_, per_sm, warps, stages = r["tiling"]
+        lines.append(f"| {r['D']} | {rows_} | {per_sm} | {warps} | {stages} | {r['ms']:.4f}{' (default)' if r['default'] else ''}"
+                     f" | {r['x_add']:.3f} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| D | kernel | ms | MB moved | GB/s | torch.add GB/s | x add |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['D']} | {r['kernel']} | {r['ms']:.4f} | {r['bytes'] / 1e6:.0f} | {r['GBps']:.0f} | "
@@ -125,6 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results/rowwise"))
     ap.add_argument("--merge", type=Path, help="write <out>/rowwise.{json,md} from a measured JSON")
+    ap.add_argument("--sweep", action="store_true", help="also rms_backward under every tiling of TILINGS")
     args = ap.parse_args()
     if args.merge:
         data = json.loads(args.merge.read_text())
@@ -135,8 +179,13 @@ def main() -> None:
         meta = harness.run_meta(f"do_bench median, bf16 activations, M={M}; each kernel checked against a "
                                 "PyTorch formula first; x add = its bytes per ms over torch.add's (same sizes, same run)")
         data = {"meta": meta, "rows": measure(), "notes": NOTES}
-    harness.write_results(args.out, "rowwise", data, table(data["rows"]))
-    log(table(data["rows"]))
+        if args.sweep:
+            data["sweep"] = sweep()
+    text = table(data["rows"])
+    if data.get("sweep"):
+        text += "\n\nrms_backward per tiling, fastest first:\n\n" + sweep_table(data["sweep"])
+    harness.write_results(args.out, "rowwise", data, text)
+    log(text)
 
 if __name__ == "__main__":
     main()

@@ -177,6 +177,7 @@ def test_rowwise_script(cpu_harness) -> None:
     """bench/rowwise_bandwidth.py at tiny shapes: every row pass passes its PyTorch check (the cross-entropy
     pass at the first width only) and gets its bandwidth ratio to torch.add."""
     import rowwise_bandwidth as bench_rowwise
+    from coda.ops import rowwise
 
     rows = bench_rowwise.measure(m=8, widths={32: 48, 64: 96}, vocab=70)
     assert cpu_harness.NOTES == []
@@ -185,6 +186,12 @@ def test_rowwise_script(cpu_harness) -> None:
         (64, "rope_backward"), (64, "rms_prep"), (64, "rms_input_grad"), (64, "rms_backward")]
     assert all(r["err"] < 2e-2 and r["x_add"] > 0 for r in rows)
     assert "| 32 | cross_entropy_ |" in bench_rowwise.table(rows)
+    swept = bench_rowwise.sweep(m=8, widths=(32,), tilings=bench_rowwise.TILINGS[:3])
+    assert cpu_harness.NOTES == []
+    assert [r["tiling"] for r in swept] == [list(t) for t in bench_rowwise.TILINGS[:3]]
+    assert [r["default"] for r in swept] == [t == rowwise.rms_backward_tiling(32) for t in bench_rowwise.TILINGS[:3]]
+    assert all(r["err"] < 2e-2 and r["x_add"] > 0 for r in swept)
+    assert bench_rowwise.sweep_table(swept).count("\n| 32 | ") == 3
 
 
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:

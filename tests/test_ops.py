@@ -100,6 +100,32 @@ def test_rmsnorm(dtype: torch.dtype, lead: tuple[int, ...], d: int) -> None:
         close(a, b, dtype, max(d, math.prod(lead)), f"d{name}")
 
 
+@pytest.mark.parametrize("tiling", [(1, 4, 4, 1), (2, 1, 4, 2), (4, 2, 8, 1), (8, 1, 2, 3), (4, 64, 4, 2)])
+def test_rms_backward_tilings(tiling: tuple[int, int, int, int]) -> None:
+    """Every tiling (rows per step, programs per SM, warps, stages) gives F.rms_norm's gradients on
+    ragged rows (37 rows: runs that end inside a step of rows, programs with no rows at all)."""
+    from coda.ops.rowwise import RmsBackwardTiling, rms_backward
+
+    m, d = 37, scale(24, 1536)
+    x = torch.randn(m, d, device=DEVICE) * 3
+    g, dy = torch.rand(d, device=DEVICE) + 0.5, torch.randn(m, d, device=DEVICE)
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-5)
+    dx, dg = rms_backward(dy, x, g, rstd, RmsBackwardTiling(*tiling))
+    xr, gr = x.clone().requires_grad_(), g.clone().requires_grad_()
+    F.rms_norm(xr, (d,), gr, 1e-5).backward(dy)
+    close(dx, xr.grad, torch.float32, d, "dx")
+    close(dg, gr.grad, torch.float32, m, "dg")
+
+
+@pytest.mark.parametrize("tiling", [(3, 4, 4, 1), (1, 0, 4, 1), (1, 4, 6, 1), (1, 4, 4, 0)])
+def test_rms_backward_rejects_bad_tilings(tiling: tuple[int, int, int, int]) -> None:
+    from coda.ops.rowwise import RmsBackwardTiling, rms_backward
+
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="rows and num_warps powers of two"):
+        rms_backward(x, x, torch.ones(8, device=DEVICE), torch.ones(4, device=DEVICE), RmsBackwardTiling(*tiling))
+
+
 def test_rmsnorm_checks_shapes() -> None:
     with pytest.raises(ValueError, match=r"must be \[..., D\] and \[D\]"):
         coda.ops.rmsnorm(torch.zeros(4, 8), torch.zeros(7))

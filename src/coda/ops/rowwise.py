@@ -14,6 +14,8 @@ need a statistic of a whole row first). One program per row; the row lies in one
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -61,26 +63,30 @@ def _rms_input_grad_kernel(u_ptr, x_ptr, c_ptr, dx_ptr, D, stride_u, stride_x, s
 
 @triton.jit
 def _rms_backward_kernel(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, D, ROWS, stride_dy, stride_x, stride_g,
-                         stride_dx, BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
-    # Rows [pid * ROWS, (pid + 1) * ROWS): dx = r * (g dy - xhat * sum(g dy xhat) / D) with
-    # xhat = r x, and this program's share of dg = sum over rows of dy * xhat, in fp32.
+                         stride_dx, BLOCK: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr,
+                         OUT: tl.constexpr, RNE: tl.constexpr):
+    # Rows [pid * ROWS, (pid + 1) * ROWS), R at a time (ROWS is a multiple of R): dx = r * (g dy -
+    # xhat * sum(g dy xhat) / D) with xhat = r x, and this program's share of dg = sum over rows of
+    # dy * xhat, in fp32. STAGES > 1 lets the compiler prefetch the next R rows while these compute.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    g = tl.load(g_ptr + cols * stride_g, mask=mask, other=0.0).to(tl.float32)
+    cmask = cols < D
+    g = tl.load(g_ptr + cols * stride_g, mask=cmask, other=0.0).to(tl.float32)
     dg = tl.zeros((BLOCK,), tl.float32)
-    for i in range(0, ROWS):
-        row = pid.to(tl.int64) * ROWS + i
-        live = mask & (row < M)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-        r = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
-        xhat = x * r
-        gdy = g * dy
-        c = tl.sum(gdy * xhat, axis=0) / D
-        tl.store(dx_ptr + row * stride_dx + cols, _cast(r * (gdy - xhat * c), OUT, RNE), mask=live)
-        dg += dy * xhat
-    tl.store(dg_ptr + pid * D + cols, dg, mask=mask)
+    first = pid.to(tl.int64) * ROWS
+    for i in tl.range(0, ROWS, R, num_stages=STAGES):
+        rows = first + i + tl.arange(0, R)
+        live = (rows < M)[:, None] & cmask[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        r = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        xhat = x * r[:, None]
+        gdy = g[None, :] * dy
+        c = tl.sum(gdy * xhat, axis=1) / D
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :],
+                 _cast(r[:, None] * (gdy - xhat * c[:, None]), OUT, RNE), mask=live)
+        dg += tl.sum(dy * xhat, axis=0)
+    tl.store(dg_ptr + pid * D + cols, dg, mask=cmask)
 
 
 @triton.jit
@@ -201,24 +207,44 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
     return dx
 
 
-def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
-                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class RmsBackwardTiling(NamedTuple):
+    """How `rms_backward` splits its rows: `rows` at a time per program (a [rows, D] tile: more
+    loads in flight), `programs_per_sm` programs per SM (each a run of rows and one row of dg
+    partials), `num_warps`, and `stages` (> 1: the next rows prefetched while these compute)."""
+
+    rows: int
+    programs_per_sm: int
+    num_warps: int
+    stages: int
+
+
+def rms_backward_tiling(d: int) -> RmsBackwardTiling:
+    """The default tiling for rows of d columns."""
+    return RmsBackwardTiling(rows=1, programs_per_sm=4, num_warps=4, stages=1)
+
+
+def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
+                 tiling: RmsBackwardTiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x.dtype, dg fp32) of h = F.rms_norm(x, g) given dy = dL/dh and rstd per row.
     dg is summed from per-program partials (a few hundred programs, each over a run of rows),
-    in a fixed order: deterministic."""
+    in a fixed order: deterministic for a given tiling (default: `rms_backward_tiling(D)`)."""
     dy, x = _rows(dy, "rms_backward: dy"), _rows(x, "rms_backward: x")
     m, d = x.shape
     if dy.shape != x.shape:
         raise ValueError(f"rms_backward: dy {list(dy.shape)} and x {list(x.shape)} must have one shape")
     norm_weight = _weight(norm_weight, d, "rms_backward: norm_weight")
     rstd = _vector(rstd, m, "rms_backward: rstd")
-    programs = max(1, min(m, 4 * num_programs(x.device)))
-    rows = triton.cdiv(m, programs)
+    tiling = tiling or rms_backward_tiling(d)
+    if min(tiling) < 1 or tiling.rows & (tiling.rows - 1) or tiling.num_warps & (tiling.num_warps - 1):
+        raise ValueError(f"rms_backward: {tiling} needs positive fields, rows and num_warps powers of two")
+    programs = max(1, min(triton.cdiv(m, tiling.rows), tiling.programs_per_sm * num_programs(x.device)))
+    rows = triton.cdiv(triton.cdiv(m, programs), tiling.rows) * tiling.rows
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     partial = torch.empty(programs, d, device=x.device, dtype=torch.float32)
     if m:
         _rms_backward_kernel[(programs,)](dy, x, norm_weight, rstd, dx, partial, m, d, rows, dy.stride(0), x.stride(0),
                                           norm_weight.stride(0), dx.stride(0), BLOCK=triton.next_power_of_2(d),
+                                          R=tiling.rows, STAGES=tiling.stages, num_warps=tiling.num_warps,
                                           **_out_args(x.dtype))
     else:
         partial.zero_()
@@ -268,4 +294,4 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     return out, zdz
 
 
-__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "cross_entropy_", "rope_backward"]
+__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_", "rope_backward"]

@@ -62,20 +62,20 @@ def _rms_input_grad_kernel(u_ptr, x_ptr, c_ptr, dx_ptr, D, stride_u, stride_x, s
 
 
 @triton.jit
-def _rms_backward_kernel(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, D, ROWS, stride_dy, stride_x, stride_g,
+def _rms_backward_kernel(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, D, STEPS, stride_dy, stride_x, stride_g,
                          stride_dx, BLOCK: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr,
                          OUT: tl.constexpr, RNE: tl.constexpr):
-    # Rows [pid * ROWS, (pid + 1) * ROWS), R at a time (ROWS is a multiple of R): dx = r * (g dy -
-    # xhat * sum(g dy xhat) / D) with xhat = r x, and this program's share of dg = sum over rows of
-    # dy * xhat, in fp32. STAGES > 1 lets the compiler prefetch the next R rows while these compute.
-    pid = tl.program_id(0)
+    # Step s of program pid takes rows [(s * programs + pid) * R, ... + R): the programs walk the
+    # rows side by side, so at any time they read one contiguous band of memory. dx = r * (g dy -
+    # xhat * sum(g dy xhat) / D) with xhat = r x, and this program's share of dg = sum over its rows
+    # of dy * xhat, in fp32. STAGES > 1 lets the compiler prefetch the next rows while these compute.
+    pid, programs = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     cmask = cols < D
     g = tl.load(g_ptr + cols * stride_g, mask=cmask, other=0.0).to(tl.float32)
     dg = tl.zeros((BLOCK,), tl.float32)
-    first = pid.to(tl.int64) * ROWS
-    for i in tl.range(0, ROWS, R, num_stages=STAGES):
-        rows = first + i + tl.arange(0, R)
+    for s in tl.range(0, STEPS, num_stages=STAGES):
+        rows = (pid + programs * s).to(tl.int64) * R + tl.arange(0, R)  # step index < M: int32 is enough
         live = (rows < M)[:, None] & cmask[None, :]
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=live, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=live, other=0.0).to(tl.float32)
@@ -209,8 +209,7 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
 
 class RmsBackwardTiling(NamedTuple):
     """How `rms_backward` splits its rows: `rows` at a time per program (a [rows, D] tile: more
-    loads in flight), `programs_per_sm` programs per SM (each a run of rows and one row of dg
-    partials), `num_warps`, and `stages` (> 1: the next rows prefetched while these compute)."""
+    loads in flight), `programs_per_sm` programs per SM (each one row of dg partials), `num_warps`, and `stages` (> 1: the next rows prefetched while these compute)."""
 
     rows: int
     programs_per_sm: int
@@ -226,7 +225,7 @@ def rms_backward_tiling(d: int) -> RmsBackwardTiling:
 def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
                  tiling: RmsBackwardTiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x.dtype, dg fp32) of h = F.rms_norm(x, g) given dy = dL/dh and rstd per row.
-    dg is summed from per-program partials (a few hundred programs, each over a run of rows),
+    dg is summed from per-program partials (a few hundred programs, each over every P-th step of rows),
     in a fixed order: deterministic for a given tiling (default: `rms_backward_tiling(D)`)."""
     dy, x = _rows(dy, "rms_backward: dy"), _rows(x, "rms_backward: x")
     m, d = x.shape
@@ -238,11 +237,11 @@ def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, r
     if min(tiling) < 1 or tiling.rows & (tiling.rows - 1) or tiling.num_warps & (tiling.num_warps - 1):
         raise ValueError(f"rms_backward: {tiling} needs positive fields, rows and num_warps powers of two")
     programs = max(1, min(triton.cdiv(m, tiling.rows), tiling.programs_per_sm * num_programs(x.device)))
-    rows = triton.cdiv(triton.cdiv(m, programs), tiling.rows) * tiling.rows
+    steps = triton.cdiv(triton.cdiv(m, tiling.rows), programs)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     partial = torch.empty(programs, d, device=x.device, dtype=torch.float32)
     if m:
-        _rms_backward_kernel[(programs,)](dy, x, norm_weight, rstd, dx, partial, m, d, rows, dy.stride(0), x.stride(0),
+        _rms_backward_kernel[(programs,)](dy, x, norm_weight, rstd, dx, partial, m, d, steps, dy.stride(0), x.stride(0),
                                           norm_weight.stride(0), dx.stride(0), BLOCK=triton.next_power_of_2(d),
                                           R=tiling.rows, STAGES=tiling.stages, num_warps=tiling.num_warps,
                                           **_out_args(x.dtype))

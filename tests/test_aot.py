@@ -182,3 +182,48 @@ def test_rope_backward_moves_16_byte_vectors_on_sm90(tmp_path) -> None:
     assert counts["ld.global.v4"] >= 2 and counts["st.global.v4"] >= 1, counts
     assert counts["ld.global.b16"] == counts["st.global.b16"] == 0, counts
     assert counts["ld.local"] == counts["st.local"] == 0, counts
+
+
+RMS_BACKWARD_SCRIPT = textwrap.dedent('''
+    import json, re, subprocess, sys, tempfile
+    from pathlib import Path
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from coda.ops.rowwise import _rms_backward_kernel, rms_backward_tiling
+
+    CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "g_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
+           "dg_ptr": "*fp32", "M": "i32", "D": "i32", "STEPS": "i32", "stride_dy": "i32", "stride_x": "i32",
+           "stride_g": "i32", "stride_dx": "i32", "BLOCK": "constexpr", "R": "constexpr", "STAGES": "constexpr",
+           "OUT": "constexpr", "RNE": "constexpr"}
+    # what the JIT specializes the block's launch to: aligned pointers, sizes and strides multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 12)}
+    report = {}
+    for d in map(int, sys.argv[1:]):
+        t = rms_backward_tiling(d)
+        src = ASTSource(fn=_rms_backward_kernel, signature=sig, attrs=attrs,
+                        constexprs={"BLOCK": triton.next_power_of_2(d), "R": t.rows, "STAGES": t.stages,
+                                    "OUT": tl.bfloat16, "RNE": False})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": t.num_warps})
+        cubin = Path(tempfile.mkdtemp()) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+        report[d] = {key: int(v) for key, v in re.findall(r"(REG|STACK|LOCAL):(\\d+)", usage)}
+    print(json.dumps(report))
+''')
+
+
+def test_rms_backward_default_tilings_do_not_spill_on_sm90(tmp_path) -> None:
+    """rms_backward's default tilings (64 fp32 values a thread per tensor up to D=4096, one row at a
+    time wider) compile for sm_90 without a stack frame: no register spills, as its docstring says."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", RMS_BACKWARD_SCRIPT, "512", "2048", "4096", "8192"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(report) == {"512", "2048", "4096", "8192"}
+    for d, usage in report.items():
+        assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"D={d}: {usage}"

@@ -218,8 +218,16 @@ class RmsBackwardTiling(NamedTuple):
 
 
 def rms_backward_tiling(d: int) -> RmsBackwardTiling:
-    """The default tiling for rows of d columns."""
-    return RmsBackwardTiling(rows=1, programs_per_sm=4, num_warps=4, stages=1)
+    """The default tiling for rows of d columns, one program per SM: up to D=4096 steps of 16384
+    elements (up to 8 rows) over 8 warps, 64 fp32 values of a tensor per thread; wider rows one
+    at a time over 8 warps, and 16 past 8192 columns (sm_90 compiles: no spills through 8192, a
+    few hundred bytes at 16384). From the H200 sweep (bench/results/rowwise/, replayed as CUDA
+    graphs): at D=2048 this (8 rows) was the fastest of 64 tilings, 0.041 ms against 0.047 for
+    the earlier one row at a time over 4 programs per SM; at D=4096 (4 rows) 0.072 against
+    0.086, the fastest being 0.069. Wider rows are not measured."""
+    block = triton.next_power_of_2(max(d, 1))
+    rows = max(1, min(8, 16384 // block)) if block <= 4096 else 1
+    return RmsBackwardTiling(rows=rows, programs_per_sm=1, num_warps=8 if block <= 8192 else 16, stages=1)
 
 
 def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,

@@ -194,6 +194,25 @@ def test_rowwise_script(cpu_harness) -> None:
     assert bench_rowwise.sweep_table(swept).count("\n| 32 | ") == 3
 
 
+def test_graph_vs_stream_merges_its_table(tmp_path: Path) -> None:
+    """bench/graph_vs_stream.py --merge (its measuring needs CUDA's profiler): the per-width line with
+    the three timed steps and kernel sums, and one row a kernel with graph minus launched."""
+    import graph_vs_stream
+
+    width = {"D": 2048, "err": 1e-3, "timed_ms": 4.9, "graph_timed_ms": 4.8, "sol_timed_ms": 4.6,
+             "stream_kernels_ms": 4.2, "graph_kernels_ms": 4.4, "sol_kernels_ms": 4.1,
+             "rows": [{"kernel": "coda_rms_swiglu", "stream_ms": 0.765, "graph_ms": 0.778}]}
+    data = {"meta": {"gpu": "g", "torch": "t", "triton": "3.6.0", "commit": "c", "protocol": "p"}, "widths": [width],
+            "notes": ["a note"]}
+    (tmp_path / "in.json").write_text(json.dumps(data))
+    subprocess.run([sys.executable, graph_vs_stream.__file__, "--merge", str(tmp_path / "in.json"), "--out",
+                    str(tmp_path / "res")], check=True, capture_output=True)
+    md = (tmp_path / "res" / "graph_vs_stream.md").read_text()
+    assert "D=2048: timed 4.900 ms launched, 4.800 ms as a graph, 4.600 ms the SoL graph" in md
+    assert "| coda_rms_swiglu | 0.7650 | 0.7780 | +0.0130 |" in md
+    assert "* a note" in md
+
+
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
     """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
     row, not-issued twins of each stall metric, columns found by name)."""

@@ -121,10 +121,10 @@ def measure(m: int = M, widths: dict[int, int] = QKV, vocab: int = V) -> list[di
     return out
 
 
-def _graph_ms(run) -> float:
-    """run's time replayed as a CUDA graph: its kernels without the host's launch work (on the CPU
-    harness, where there are no graphs, the plain time)."""
-    return (harness.graph_ms(run) if torch.cuda.is_available() else None) or harness.timed(run)
+def _graph_ms(run) -> float | None:
+    """run's time replayed as a CUDA graph: its kernels without the host's launch work (None where
+    there are no graphs, on the CPU harness, or where capture fails: harness.graph_ms says why)."""
+    return harness.graph_ms(run) if torch.cuda.is_available() else None
 
 
 def sweep(m: int = M, widths: tuple[int, ...] = tuple(QKV), tilings: list = TILINGS) -> list[dict]:
@@ -152,7 +152,7 @@ def sweep(m: int = M, widths: tuple[int, ...] = tuple(QKV), tilings: list = TILI
             ratio = (moved / ms) / (ref_bytes / ref_ms)
             out.append({"D": d, "tiling": list(t), "default": t == default, "ms": ms, "x_add": ratio, "err": err,
                         "graph_ms": graph})
-            log(f"  sweep D={d} {tuple(t)} {ms:.4f} ms  x add {ratio:.3f}  graph {graph:.4f} ms"
+            log(f"  sweep D={d} {tuple(t)} {ms:.4f} ms  x add {ratio:.3f}  graph {_cell(graph)} ms"
                 f"{'  (default)' if t == default else ''}")
     return out
 
@@ -162,7 +162,7 @@ def sweep_table(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r["D"], r["ms"])):
         rows_, per_sm, warps, stages = r["tiling"]
         lines.append(f"| {r['D']} | {rows_} | {per_sm} | {warps} | {stages} | {r['ms']:.4f}{' (default)' if r['default'] else ''}"
-                     f" | {r['x_add']:.3f} | {r['graph_ms']:.4f} |")
+                     f" | {r['x_add']:.3f} | {_cell(r['graph_ms'])} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Row-wise Triton kernels that the ops need beside their GEMMs: each is one pass over a
 tensor the GEMMs cannot produce in their epilogues (their inputs come from the user or
-need a statistic of a whole row first). One program per row; the row lies in one block.
+need a statistic of a whole row first). One program per row and the row in one block, except
+`rms_backward`, whose programs each take a share of the rows (its dg sums over rows).
 
 * `rms_prep`: rstd and h = x * rstd * g (the norm's output) for a standalone RMSNorm in
   front of a GEMM;
@@ -209,7 +210,8 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
 
 class RmsBackwardTiling(NamedTuple):
     """How `rms_backward` splits its rows: `rows` at a time per program (a [rows, D] tile: more
-    loads in flight), `programs_per_sm` programs per SM (each one row of dg partials), `num_warps`, and `stages` (> 1: the next rows prefetched while these compute)."""
+    loads in flight), `programs_per_sm` programs per SM (each one row of dg partials),
+    `num_warps`, and `stages` (> 1: the next rows prefetched while these compute)."""
 
     rows: int
     programs_per_sm: int
@@ -233,8 +235,8 @@ def rms_backward_tiling(d: int) -> RmsBackwardTiling:
 def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
                  tiling: RmsBackwardTiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x.dtype, dg fp32) of h = F.rms_norm(x, g) given dy = dL/dh and rstd per row.
-    dg is summed from per-program partials (a few hundred programs, each over every P-th step of rows),
-    in a fixed order: deterministic for a given tiling (default: `rms_backward_tiling(D)`)."""
+    dg is summed from per-program partials (each program takes every P-th step of rows), in a
+    fixed order: deterministic for a given tiling (default: `rms_backward_tiling(D)`)."""
     dy, x = _rows(dy, "rms_backward: dy"), _rows(x, "rms_backward: x")
     m, d = x.shape
     if dy.shape != x.shape:
@@ -301,4 +303,5 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     return out, zdz
 
 
-__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_", "rope_backward"]
+__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
+           "rope_backward"]

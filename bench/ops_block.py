@@ -36,12 +36,21 @@ def max_err(outs, refs) -> float:
 
 
 def fwd_bwd(f, params, grad_out=None):
-    """A callable running f forward and backward; returns (output, *grads)."""
+    """A callable running f forward and backward; returns (output, *grads). f may return a tuple of
+    outputs; grad_out is then the tuple of their gradients."""
     def run():
         out = f()
         go = grad_out if grad_out is not None else torch.ones_like(out)
         return (out, *torch.autograd.grad(out, params, go))
     return run
+
+
+def joined(result: tuple) -> tuple:
+    """A block step's (x2, qkv), *grads as its fp32 reference has them: the two outputs in one
+    tensor. The steps themselves return them apart, so that no timed step pays for a copy that
+    the block does not make (and that SoL does not have)."""
+    (x2, qkv), *grads = result
+    return (torch.cat([x2, qkv], -1), *grads)
 
 
 def block_steps(case: dict) -> dict[str, tuple]:
@@ -50,7 +59,7 @@ def block_steps(case: dict) -> dict[str, tuple]:
     refs = (case["ref"], *case["refg"])
     steps = {"coda_native": (fwd_bwd(case["ours_native"], case["native_params"], case["go"]), case["native_error"])}
     for name, impl in case["impls"].items():
-        steps[name] = (fwd_bwd(impl, case["params"], case["go"]), lambda result: max_err(result, refs))
+        steps[name] = (fwd_bwd(impl, case["params"], case["go"]), lambda result: max_err(joined(result), refs))
     return steps
 
 
@@ -65,18 +74,20 @@ def gemms_sum(op: str, shape, shapes: list[tuple[int, int, int]]) -> None:
     log(f"  {op:24s} gemms (sum of {len(shapes)} cuBLAS) {total:8.4f} ms")
 
 
-def variants(op: str, shape, impls: dict, params_of, ref_out, ref_grads, grad_out, compile_modes=("default",)):
-    """Forward-only and forward+backward rows for each implementation."""
+def variants(op: str, shape, impls: dict, params_of, ref_out, ref_grads, grad_out, compile_modes=("default",),
+             join=lambda out: out):
+    """Forward-only and forward+backward rows for each implementation; `join(output)` is what the
+    reference output is compared with (the block's two outputs in one tensor)."""
     for name, f in impls.items():
         params = params_of(name)
-        record(f"{op}_fwd", shape, name, f, lambda r: rel_err(r, ref_out))
+        record(f"{op}_fwd", shape, name, f, lambda r: rel_err(join(r), ref_out))
         record(f"{op}_fwdbwd", shape, name, fwd_bwd(f, params, grad_out),
-               lambda r: max_err(r, (ref_out, *ref_grads)))
+               lambda r: max_err((join(r[0]), *r[1:]), (ref_out, *ref_grads)))
     for mode in compile_modes:
         cf = torch.compile(impls["eager"]) if mode == "default" else torch.compile(impls["eager"], mode=mode)
-        record(f"{op}_fwd", shape, f"compile_{mode}", cf, lambda r: rel_err(r, ref_out))
+        record(f"{op}_fwd", shape, f"compile_{mode}", cf, lambda r: rel_err(join(r), ref_out))
         record(f"{op}_fwdbwd", shape, f"compile_{mode}", fwd_bwd(cf, params_of("eager"), grad_out),
-               lambda r: max_err(r, (ref_out, *ref_grads)))
+               lambda r: max_err((join(r[0]), *r[1:]), (ref_out, *ref_grads)))
         torch._dynamo.reset()
 
 
@@ -159,12 +170,11 @@ def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
     n_qkv = (heads + 2 * kv) * hd
 
     def eager():
-        x2, qkv = reference_block_segment(attn, x0, pos, w)
-        return torch.cat([x2, qkv], -1)
+        return reference_block_segment(attn, x0, pos, w)
 
     def ours():
         x2, qkv = block_segment(attn, x0, pos, w)
-        return torch.cat([x2, qkv_to_standard(qkv, w)], -1)  # the un-permute is for checking only
+        return x2, qkv_to_standard(qkv, w)  # the un-permute is for checking only
 
     # what a model storing coda's layouts runs: native weights (their own leaves) in, the qkv order
     # attention takes out; checked through the inverse layouts, timed without them
@@ -173,7 +183,7 @@ def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
 
     def ours_native(standard_qkv: bool = False):
         x2, qkv = block_segment(attn, x0, pos, nw)
-        return torch.cat([x2, qkv_to_standard(qkv, nw) if standard_qkv else qkv], -1)
+        return x2, qkv_to_standard(qkv, nw) if standard_qkv else qkv
 
     def f32(*leaves):
         a, x, *ws = leaves
@@ -181,11 +191,12 @@ def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
         x2, qkv = reference_block_segment(a, x, pos, w32)
         return torch.cat([x2, qkv], -1)
 
-    go = rand(m, d + n_qkv)
-    ref, refg = fp32_reference(f32, params, go)
+    go_all = rand(m, d + n_qkv)
+    ref, refg = fp32_reference(f32, params, go_all)
+    go = (go_all[:, :d].contiguous(), go_all[:, d:].contiguous())  # each output's gradient, as a loss gives them
 
     def native_error(_result) -> float:
-        out, *grads = fwd_bwd(lambda: ours_native(True), native_params, go)()
+        out, *grads = joined(fwd_bwd(lambda: ours_native(True), native_params, go)())
         weights = NativeBlockWeights(*grads[2:], n_heads=heads, n_kv_heads=kv).to_standard().tensors()
         return max_err((out, *grads[:2], *weights), (ref, *refg))
 
@@ -193,7 +204,7 @@ def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
     lg = _liger()
     seq = min(m, 4096)  # pos restarts every 4096 rows: rows are (batch, seq) for Liger's RoPE
     if lg is not None and m % seq == 0:
-        impls["liger"] = lambda: torch.cat(liger_block_segment(lg, attn, x0, w, seq), -1)
+        impls["liger"] = lambda: liger_block_segment(lg, attn, x0, w, seq)
     fwd = [(m, d, heads * hd), (m, 2 * f, d), (m, d, f), (m, n_qkv, d)]
     bwd = [(m, d, n_qkv), (n_qkv, d, m), (m, f, d), (d, f, m), (m, d, 2 * f), (2 * f, d, m), (m, heads * hd, d),
            (d, heads * hd, m)]
@@ -206,9 +217,11 @@ def bench_block(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> None:
     shape = (m, d, f)
     gemms_sum("block_fwd", shape, c["fwd"])
     gemms_sum("block_fwdbwd", shape, c["fwd"] + c["bwd"])
-    variants("block", shape, c["impls"], lambda _: c["params"], c["ref"], c["refg"], c["go"])
+    variants("block", shape, c["impls"], lambda _: c["params"], c["ref"], c["refg"], c["go"],
+             join=lambda out: torch.cat(out, -1))
     ref = c["ref"]
-    record("block_fwd", shape, "coda_native_layout", c["ours_native"], lambda _r: rel_err(c["ours_native"](True), ref))
+    record("block_fwd", shape, "coda_native_layout", c["ours_native"],
+           lambda _r: rel_err(torch.cat(c["ours_native"](True), -1), ref))
     record("block_fwdbwd", shape, "coda_native_layout", fwd_bwd(c["ours_native"], c["native_params"], c["go"]),
            c["native_error"])
 

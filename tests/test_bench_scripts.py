@@ -59,6 +59,21 @@ def test_ops_block_script(cpu_harness) -> None:
     assert {r["op"] for r in cpu_harness.ROWS if r["variant"] == "coda_native_layout"} == {"block_fwd", "block_fwdbwd"}
 
 
+def test_block_steps_return_both_outputs_apart_and_pass_their_checks(cpu_harness) -> None:
+    """Each timed block step returns (x2, qkv) as two tensors (no copy into one tensor inside the
+    timing, which SoL does not make either), and its check joins them for the fp32 reference."""
+    import ops_block as ob
+
+    ob._LIGER[:] = [None]
+    steps = ob.block_steps(ob.block_case(40, 64, 48, heads=4, kv=2))
+    assert set(steps) == {"coda_native", "eager", "coda"}
+    for name, (step, check) in steps.items():
+        result = step()
+        x2, qkv = result[0]
+        assert x2.shape == (40, 64) and qkv.shape == (40, (4 + 2 * 2) * 16), name
+        assert check(result) < 2e-2, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
                     reason="Liger-Kernel's kernels need a CUDA GPU (its RMSNorm and SiLU-mul fail under the interpreter)")
 def test_ops_block_liger_block(cpu_harness) -> None:

@@ -1,5 +1,8 @@
 """A user's own epilogue under torch.compile(fullgraph=True), and coda.gemm from threads."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -98,6 +101,36 @@ def test_threads():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+LAZY_FALLBACKS_SCRIPT = """
+import sys
+import torch
+torch.__version__ = torch.torch_version.TorchVersion("2.11.0")  # a torch that needs explicit fallbacks
+import coda
+from coda.runtime import inductor
+waiting = {str(op) for op in inductor._pending}
+assert "torch._inductor.lowering" not in sys.modules, "import coda imported Inductor"
+assert {"coda.gemm.default", "coda.rmsnorm_fwd.default", "coda.rmsnorm_bwd.default"} <= waiting, waiting
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():  # what Dynamo and AOTAutograd do while tracing: run the fake kernels
+    x, g = torch.empty(4, 8), torch.empty(8)
+    coda.ops.rmsnorm(x, g)
+from torch._inductor.lowering import lowerings
+assert not inductor._pending
+missing = [op for op in (torch.ops.coda.gemm.default, torch.ops.coda.rmsnorm_fwd.default) if op not in lowerings]
+assert not missing, missing
+print("ok", len(waiting))
+"""
+
+
+def test_inductor_fallbacks_wait_for_the_first_trace(tmp_path):
+    """On torch < 2.13 `import coda` does not import Inductor's lowering module (seconds): its ops
+    wait, and the first fake-kernel call (tracing) registers every waiting op as a fallback."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_FALLBACKS_SCRIPT], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ok")
 
 
 def test_explicit_inductor_fallbacks():

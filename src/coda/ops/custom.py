@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..runtime.inductor import explicit_fallback
+from ..runtime.inductor import before_tracing, explicit_fallback
 
 _TENSOR, _LIST, _VALUE = "tensor", "list", "value"
 
@@ -48,9 +48,9 @@ class FusedOp:
         self.name, self.outputs = name, outputs
         self._grad_slots = frozenset(params.index(g) for g in grads)
         self.forward = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=())
-        self.forward.register_fake(fake)
+        self.forward.register_fake(before_tracing(fake))
         self.backward = torch.library.custom_op(f"{name}_bwd", backward, mutates_args=())
-        self.backward.register_fake(backward_fake)
+        self.backward.register_fake(before_tracing(backward_fake))
         self._save = save
         torch.library.register_autograd(f"{name}_fwd", self._autograd_backward, setup_context=self._setup)
         namespace, op = name.split("::")

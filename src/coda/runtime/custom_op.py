@@ -21,7 +21,7 @@ import torch
 
 from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
-from .inductor import explicit_fallback
+from .inductor import before_tracing, explicit_fallback
 
 # graph hash -> graph, for every traced epilogue (and the plain GEMM): what the op's key names
 _graphs: dict[str, Graph] = {}
@@ -72,6 +72,7 @@ def _gemm_op(key: str, a: torch.Tensor, b: torch.Tensor, tensor_idx: list[int], 
 
 
 @_gemm_op.register_fake
+@before_tracing
 def _gemm_fake(key, a, b, tensor_idx, tensors, scalar_idx, scalars, outs) -> None:
     graph = _graph(key)
     operands, out = _unpack(graph, tensor_idx, tensors, scalar_idx, scalars, outs)

@@ -21,7 +21,7 @@
 #      a particular backend still set it themselves; ~3 min)
 #  12. (rowwise) bench/rowwise_bandwidth.py: the row-pass kernels (RoPE backward, RMSNorm prep, input gradient and
 #      backward, the cross-entropy pass) against torch.add's bandwidth (~1 min)
-#  12b. (rowwise_sweep) the same, and rms_backward under each tiling of its TILINGS (~4 min, estimated)
+#  12b. (rowwise_sweep) the same, and rms_backward under each tiling of its TILINGS (~2 min)
 #  13. (keep_h) bench/epilogue_cost.py: the SwiGLU backward with and without its y stores (what keeping
 #      the forward's h would save) beside its plain GEMM, D=2048 then 4096, untuned (~2 min)
 # Usage on the device (pydantic travels as wheels in .whl, see README "Running on the H200"):

@@ -228,6 +228,15 @@ def test_graph_vs_stream_merges_its_table(tmp_path: Path) -> None:
     assert "* a note" in md
 
 
+def test_import_time_script_sees_no_inductor_import_as_an_old_torch() -> None:
+    """bench/import_time.py times `import coda` in a fresh process as torch 2.11 (which needs the
+    explicit Inductor fallbacks) and reports that the import left Inductor's lowering unloaded."""
+    import import_time
+
+    (run,) = import_time.measure("2.11.0", 1)
+    assert run["s"] > 0 and run["inductor_loaded"] is False
+
+
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
     """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
     row, not-issued twins of each stall metric, columns found by name)."""

@@ -162,7 +162,7 @@ def sweep_table(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r["D"], r["ms"])):
         rows_, per_sm, warps, stages = r["tiling"]
         lines.append(f"| {r['D']} | {rows_} | {per_sm} | {warps} | {stages} | {r['ms']:.4f}{' (default)' if r['default'] else ''}"
-                     f" | {r['x_add']:.3f} | {_cell(r['graph_ms'])} |")
+                     f" | {r['x_add']:.3f} | {_cell(r.get('graph_ms'))} |")
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ from coda.runtime import choose, launch
 from coda.runtime.validate import validate
 import harness
 from harness import NOTES, gemm_error, gemm_reference, log
-from ops_block import block_case, block_steps, fwd_bwd, joined, max_err
+from ops_block import block_case, block_steps, fwd_bwd, joined, max_err, sol_replay
 
 WIDTHS = {2048: 8192, 4096: 14336}
 BACKENDS = ("gluon-hopper", "triton")
@@ -122,21 +122,6 @@ def kernel_rows(d: int, f: int, m: int, sweep: bool, save, heads: int = 32, kv: 
     return rows, swept
 
 
-def _sol_graph(fwd: list, bwd: list) -> float:
-    """The block's bare cuBLAS GEMMs back to back in one CUDA graph."""
-    pairs = [(harness.rand(mm, k), harness.rand(n, k, scale=k**-0.5)) for mm, n, k in fwd + bwd]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for a, w in pairs:  # warm cuBLAS up outside capture
-            a @ w.T
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a, w in pairs:
-            a @ w.T
-    return harness.timed(graph.replay)
-
-
 def _device_allocs() -> int:
     """cudaMalloc calls so far: one during a timed step synchronizes the device with the host."""
     return torch.cuda.memory_stats().get("num_device_alloc", 0)
@@ -146,7 +131,7 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
     """The block rows; `save(rows)` after each, so a run stopped by its time limit keeps what it measured."""
     case = block_case(m, d, f)
     ref_all = (case["ref"], *case["refg"])
-    out = [{"D": d, "FFN": f, "M": m, "variant": "sol_graph", "ms": _sol_graph(case["fwd"], case["bwd"])}]
+    out = [{"D": d, "FFN": f, "M": m, "variant": "sol_graph", "ms": harness.timed(sol_replay(case["fwd"] + case["bwd"]))}]
     save(out)
     steps = block_steps(case)
     for name in ("coda", "coda_native") + (("eager", "liger") if peers else ()):

@@ -24,23 +24,9 @@ import torch
 
 import harness
 from harness import NOTES, log
-from ops_block import block_case, block_steps
+from ops_block import block_case, block_steps, sol_replay
 
 WIDTHS = {2048: 8192, 4096: 14336}
-
-
-def _graphed(fn):
-    """fn captured once into a CUDA graph (after two warm-up calls on a side stream); its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:
@@ -61,19 +47,13 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     return dict(per)
 
 
-def sol_replay(case: dict):
-    """The block's bare cuBLAS GEMMs back to back in one CUDA graph (block_kernels' sol_graph)."""
-    pairs = [(harness.rand(mm, k), harness.rand(n, k, scale=k**-0.5)) for mm, n, k in case["fwd"] + case["bwd"]]
-    return _graphed(lambda: [a @ w.T for a, w in pairs])
-
-
 def measure(d: int, iters: int, m: int = 8192) -> dict:
     case = block_case(m, d, WIDTHS[d])
     fn, check = block_steps(case)["coda_native"]
     err = check(fn())
     if not err < 2e-2:
         raise AssertionError(f"coda_native error {err:.3g} vs fp32")
-    replay, sol = _graphed(fn), sol_replay(case)
+    replay, sol = harness.graphed(fn), sol_replay(case["fwd"] + case["bwd"])
     stream, graph, sol_kernels = kernel_times(fn, iters), kernel_times(replay, iters), kernel_times(sol, iters)
     names = sorted(set(stream) | set(graph), key=lambda k: -max(stream.get(k, 0), graph.get(k, 0)))
     rows = [{"kernel": k, "stream_ms": stream.get(k, 0.0), "graph_ms": graph.get(k, 0.0)} for k in names]

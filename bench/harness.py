@@ -76,19 +76,25 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 
 
-def graph_ms(fn) -> float | None:
-    """The step captured once into a CUDA graph (outputs and grads reused) and replayed."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+def graphed(fn):
+    """fn captured once into a CUDA graph (after two warm-up calls on a side stream; outputs and
+    grads reused); its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
             fn()
-        return timed(g.replay)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def graph_ms(fn) -> float | None:
+    """The step captured once into a CUDA graph (`graphed`) and replayed."""
+    try:
+        return timed(graphed(fn))
     except Exception as exc:  # noqa: BLE001
         log(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
         return None

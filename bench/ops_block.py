@@ -53,6 +53,13 @@ def joined(result: tuple) -> tuple:
     return (torch.cat([x2, qkv], -1), *grads)
 
 
+def sol_replay(shapes: list[tuple[int, int, int]]):
+    """The block's speed of light: its bare cuBLAS GEMMs (M, N, K) back to back, captured once in one
+    CUDA graph (warmed up outside capture); the graph's replay."""
+    pairs = [(rand(mm, k), rand(n, k, scale=k**-0.5)) for mm, n, k in shapes]
+    return harness.graphed(lambda: [a @ w.T for a, w in pairs])
+
+
 def block_steps(case: dict) -> dict[str, tuple]:
     """(step, check) of each variant of a block_case: coda_native and every entry of its impls
     (eager, coda, liger where installed), forward+backward; check(result) is the error vs fp32."""

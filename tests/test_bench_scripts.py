@@ -30,6 +30,14 @@ def cpu_harness(monkeypatch: pytest.MonkeyPatch):
     harness.NOTES.clear()
 
 
+def merged_markdown(script, data: dict, tmp_path: Path) -> str:
+    """The markdown a bench script's `--merge` writes (in a fresh process, as it is run) from `data`."""
+    (tmp_path / "in.json").write_text(json.dumps(data))
+    subprocess.run([sys.executable, script.__file__, "--merge", str(tmp_path / "in.json"), "--out",
+                    str(tmp_path / "res")], check=True, capture_output=True)
+    return (tmp_path / "res" / f"{Path(script.__file__).stem}.md").read_text()
+
+
 def test_gemm_epilogues_script(cpu_harness) -> None:
     import gemm_epilogues as ge
 
@@ -180,10 +188,7 @@ def test_plain_rounds_covers_both_sides_of_the_rule_and_merges(tmp_path) -> None
             {**base, "variant": "cooperative", "ms": 0.25, "err": 1e-3}]
     data = {"meta": {"gpu": "g", "torch": "t", "triton": "3.6.0", "commit": "c", "protocol": "p"}, "rows": rows,
             "notes": ["[3072, 2048, 8192] a col ping-pong: RuntimeError: x"]}
-    (tmp_path / "in.json").write_text(json.dumps(data))
-    subprocess.run([sys.executable, plain_rounds.__file__, "--merge", str(tmp_path / "in.json"), "--out",
-                    str(tmp_path / "res")], check=True, capture_output=True)
-    md = (tmp_path / "res" / "plain_rounds.md").read_text()
+    md = merged_markdown(plain_rounds, data, tmp_path)
     assert "| [3072, 2048, 8192] | col | ping-pong | 0.2000 | 0.2100 (1.050) | 0.2500 (1.250) | - |" in md
     assert "* [3072, 2048, 8192] a col ping-pong: RuntimeError: x" in md
 
@@ -219,10 +224,7 @@ def test_graph_vs_stream_merges_its_table(tmp_path: Path) -> None:
              "rows": [{"kernel": "coda_rms_swiglu", "stream_ms": 0.765, "graph_ms": 0.778}]}
     data = {"meta": {"gpu": "g", "torch": "t", "triton": "3.6.0", "commit": "c", "protocol": "p"}, "widths": [width],
             "notes": ["a note"]}
-    (tmp_path / "in.json").write_text(json.dumps(data))
-    subprocess.run([sys.executable, graph_vs_stream.__file__, "--merge", str(tmp_path / "in.json"), "--out",
-                    str(tmp_path / "res")], check=True, capture_output=True)
-    md = (tmp_path / "res" / "graph_vs_stream.md").read_text()
+    md = merged_markdown(graph_vs_stream, data, tmp_path)
     assert "D=2048: timed 4.900 ms launched, 4.800 ms as a graph, 4.600 ms the SoL graph" in md
     assert "| coda_rms_swiglu | 0.7650 | 0.7780 | +0.0130 |" in md
     assert "* a note" in md

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -106,18 +107,21 @@ SCRIPT = textwrap.dedent('''
 EPILOGUES = ("swiglu", "rmsnorm_producer", "cross_entropy", "rope", "rope_default")
 
 
+def sm90_report(script: str, tmp: Path, *args: str, **env: str) -> dict:
+    """Run `script` in a fresh process that compiles for sm_90 without a GPU (TRITON_INTERPRET=0,
+    Triton's cache under `tmp`, `env` added) with `args`; the JSON its last line prints."""
+    full = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "triton"), **env}
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=full, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def aot_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Compile every epilogue for sm_90 in one fresh process; per-epilogue results."""
     tmp = tmp_path_factory.mktemp("aot")
-    script = tmp / "aot_script.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DUMP_PTXAS_LOG": "1",
-           "CODA_CACHE_DIR": str(tmp / "coda"), "TRITON_CACHE_DIR": str(tmp / "triton")}
-    proc = subprocess.run([sys.executable, str(script), str(tmp)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = sm90_report(SCRIPT, tmp, str(tmp), TRITON_DUMP_PTXAS_LOG="1", CODA_CACHE_DIR=str(tmp / "coda"))
     print(json.dumps(report, indent=1))  # shown with pytest -s: the numbers behind the assertions
     return report
 
@@ -174,11 +178,7 @@ def test_rope_backward_moves_16_byte_vectors_on_sm90(tmp_path) -> None:
     """The RoPE backward reads dz and z and writes its output as 16-byte vectors on sm_90 (PTX),
     not as 2-byte scalars: what loading a pair's even and odd columns separately compiled to (64
     scalar loads and 32 scalar stores a thread at 0ef7040)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", ROPE_BACKWARD_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = sm90_report(ROPE_BACKWARD_SCRIPT, tmp_path)
     assert counts["ld.global.v4"] >= 2 and counts["st.global.v4"] >= 1, counts
     assert counts["ld.global.b16"] == counts["st.global.b16"] == 0, counts
     assert counts["ld.local"] == counts["st.local"] == 0, counts
@@ -219,11 +219,7 @@ RMS_BACKWARD_SCRIPT = textwrap.dedent('''
 def test_rms_backward_default_tilings_do_not_spill_on_sm90(tmp_path) -> None:
     """rms_backward's default tilings (64 fp32 values a thread per tensor up to D=4096, one row at a
     time wider) compile for sm_90 without a stack frame: no register spills, as its docstring says."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", RMS_BACKWARD_SCRIPT, "512", "2048", "4096", "8192"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = sm90_report(RMS_BACKWARD_SCRIPT, tmp_path, "512", "2048", "4096", "8192")
     assert set(report) == {"512", "2048", "4096", "8192"}
     for d, usage in report.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"D={d}: {usage}"

@@ -46,6 +46,24 @@ def _yardstick(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
     return harness.timed(lambda: torch.add(a, b, out=out)), _bytes(a, b, out)
 
 
+def _rms_backward_check(dy: torch.Tensor, x: torch.Tensor, g: torch.Tensor):
+    """check(result) of rms_backward(dy, x, g, rstd): the larger relative error of (dx, dg) against
+    F.rms_norm's fp32 backward (computed once)."""
+    xf, gf = x.float().requires_grad_(), g.clone().requires_grad_()
+    F.rms_norm(xf, (x.shape[1],), gf, 1e-6).backward(dy.float())
+    return lambda result: max(rel_err(result[0], xf.grad), rel_err(result[1], gf.grad))
+
+
+def _timed(run, check, moved: int, yardstick: tuple[float, int]) -> dict:
+    """run checked (error < 2e-2 against `check`, else AssertionError), then timed as called and as a
+    CUDA graph; x_add: its `moved` bytes per ms over the yardstick's (ms, bytes)."""
+    err = check(run())
+    if not err < 2e-2:
+        raise AssertionError(f"error {err:.3g} against the PyTorch formula")
+    ms = harness.timed(run)
+    return {"ms": ms, "graph_ms": _graph_ms(run), "x_add": (moved / ms) / (yardstick[1] / yardstick[0]), "err": err}
+
+
 def cases(d: int, qkv: int, m: int, vocab: int | None) -> list[tuple]:
     """(name, run, check, bytes moved, yardstick inputs) at width d, RoPE over qkv columns, and
     with `vocab` the cross-entropy pass over [m, vocab] logits."""
@@ -67,12 +85,6 @@ def cases(d: int, qkv: int, m: int, vocab: int | None) -> list[tuple]:
         return max(rel_err(h, F.rms_norm(x.float(), (d,), g, 1e-6)),
                    rel_err(rstd, torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)))
 
-    def backward_check(result) -> float:
-        dx, dg = result
-        xf, gf = x.float().requires_grad_(), g.clone().requires_grad_()
-        F.rms_norm(xf, (d,), gf, 1e-6).backward(dy.float())
-        return max(rel_err(dx, xf.grad), rel_err(dg, gf.grad))
-
     dy = torch.randn(m, d, device=dev).to(bf16)
     rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
     rows = [
@@ -81,8 +93,8 @@ def cases(d: int, qkv: int, m: int, vocab: int | None) -> list[tuple]:
         ("rms_prep", lambda: rowwise.rms_prep(x, g, 1e-6), prep_check, _bytes(x, x) + 4 * m, (x, x.clone())),
         ("rms_input_grad", lambda: rowwise.rms_input_grad(u, x, c),
          lambda dx: rel_err(dx, u - c[:, None] * x.float()), _bytes(u, x, x), (u, u.clone())),
-        ("rms_backward", lambda: rowwise.rms_backward(dy, x, g, rstd), backward_check, _bytes(dy, x, x) + 4 * m,
-         (dy, x)),
+        ("rms_backward", lambda: rowwise.rms_backward(dy, x, g, rstd), _rms_backward_check(dy, x, g),
+         _bytes(dy, x, x) + 4 * m, (dy, x)),
     ]
     if vocab:
         logits = torch.randn(m, vocab, device=dev).to(bf16)
@@ -107,15 +119,12 @@ def measure(m: int = M, widths: dict[int, int] = QKV, vocab: int = V) -> list[di
     for i, (d, qkv) in enumerate(widths.items()):
         for name, run, check, moved, like in cases(d, qkv, m, vocab if i == 0 else None):
             try:
-                err = check(run())
-                if not err < 2e-2:
-                    raise AssertionError(f"error {err:.3g} against the PyTorch formula")
-                ms, graph = harness.timed(run), _graph_ms(run)
-                ref_ms, ref_bytes = _yardstick(*like)
-                ratio = (moved / ms) / (ref_bytes / ref_ms)
-                out.append({"D": d, "kernel": name, "ms": ms, "bytes": moved, "GBps": moved / ms / 1e6,
-                            "add_GBps": ref_bytes / ref_ms / 1e6, "x_add": ratio, "err": err, "graph_ms": graph})
-                log(f"  D={d} {name:16s} {ms:.4f} ms  {moved / ms / 1e6:7.0f} GB/s  x add {ratio:.3f}")
+                ref_ms, ref_bytes = yardstick = _yardstick(*like)
+                row = {"D": d, "kernel": name, "bytes": moved, "add_GBps": ref_bytes / ref_ms / 1e6,
+                       **_timed(run, check, moved, yardstick)}
+                row["GBps"] = moved / row["ms"] / 1e6
+                out.append(row)
+                log(f"  D={d} {name:16s} {row['ms']:.4f} ms  {row['GBps']:7.0f} GB/s  x add {row['x_add']:.3f}")
             except Exception as exc:  # noqa: BLE001
                 NOTES.append(f"D={d} {name}: {type(exc).__name__}: {str(exc)[:200]}")
     return out
@@ -134,25 +143,16 @@ def sweep(m: int = M, widths: tuple[int, ...] = tuple(QKV), tilings: list = TILI
         x, dy = torch.randn(m, d, device=dev).to(bf16), torch.randn(m, d, device=dev).to(bf16)
         g = torch.rand(d, device=dev) + 0.5
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
-        xf, gf = x.float().requires_grad_(), g.clone().requires_grad_()
-        F.rms_norm(xf, (d,), gf, 1e-6).backward(dy.float())
-        ref_ms, ref_bytes = _yardstick(dy, x)
+        check, yardstick = _rms_backward_check(dy, x, g), _yardstick(dy, x)
         moved, default = _bytes(dy, x, x) + 4 * m, rowwise.rms_backward_tiling(d)
         for t in tilings:
-            run = lambda: rowwise.rms_backward(dy, x, g, rstd, t)  # noqa: E731
             try:
-                dx, dg = run()
-                err = max(rel_err(dx, xf.grad), rel_err(dg, gf.grad))
-                if not err < 2e-2:
-                    raise AssertionError(f"error {err:.3g} against F.rms_norm's backward")
-                ms, graph = harness.timed(run), _graph_ms(run)
+                row = _timed(lambda: rowwise.rms_backward(dy, x, g, rstd, t), check, moved, yardstick)  # noqa: B023
             except Exception as exc:  # noqa: BLE001
                 NOTES.append(f"sweep D={d} {tuple(t)}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            ratio = (moved / ms) / (ref_bytes / ref_ms)
-            out.append({"D": d, "tiling": list(t), "default": t == default, "ms": ms, "x_add": ratio, "err": err,
-                        "graph_ms": graph})
-            log(f"  sweep D={d} {tuple(t)} {ms:.4f} ms  x add {ratio:.3f}  graph {_cell(graph)} ms"
+            out.append({"D": d, "tiling": list(t), "default": t == default, **row})
+            log(f"  sweep D={d} {tuple(t)} {row['ms']:.4f} ms  x add {row['x_add']:.3f}  graph {_cell(row['graph_ms'])} ms"
                 f"{'  (default)' if t == default else ''}")
     return out
 

@@ -76,6 +76,16 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 
 
+def heat(fn, seconds: float) -> None:
+    """Run fn back to back for `seconds`. The H200 is power-bound under GEMMs; after idling (compiles,
+    checks) it clocks higher for a while, which flatters whatever is timed next (the block's SoL graph
+    read 4.18 ms timed first in a fresh process, 4.40-4.58 ms warm: bench/results/sol_stability)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        torch.cuda.synchronize()
+
+
 def graphed(fn):
     """fn captured once into a CUDA graph (after two warm-up calls on a side stream; outputs and
     grads reused); its replay."""

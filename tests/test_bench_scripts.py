@@ -130,6 +130,11 @@ def test_block_kernels_script(cpu_harness) -> None:
         assert len(refused) == 12 and all("interpreter" in n for n in refused)
     md = bk.table({"rows": rows, "block": [{"D": 64, "variant": "coda", "ms": 1.0}]})
     assert "| 64 | fwd1:rms_swiglu | [40, 96, 64] |" in md and "| 64 | coda | 1.000 | - |" in md
+    # a row is divided by the SoL timed just before it where the run recorded one, else by the median
+    block = [{"D": 64, "variant": "sol_graph", "ms": 2.0}, {"D": 64, "variant": "coda", "ms": 3.0, "sol_ms": 2.5},
+             {"D": 64, "variant": "eager", "ms": 3.0}]
+    md = bk.table({"rows": [], "block": block})
+    assert "| 64 | coda | 3.000 | 1.200 |" in md and "| 64 | eager | 3.000 | 1.500 |" in md
 
 
 def test_block_kernels_takes_block_rows_from_a_fresh_process(cpu_harness, tmp_path, monkeypatch) -> None:

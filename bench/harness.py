@@ -77,9 +77,9 @@ def timed(fn) -> float:
 
 
 def heat(fn, seconds: float) -> None:
-    """Run fn back to back for `seconds`. The H200 is power-bound under GEMMs; after idling (compiles,
-    checks) it clocks higher for a while, which flatters whatever is timed next (the block's SoL graph
-    read 4.18 ms timed first in a fresh process, 4.40-4.58 ms warm: bench/results/sol_stability)."""
+    """Run fn back to back for `seconds`, so that what is timed next runs at the clock the H200 holds
+    under sustained GEMM load (power-bound near its 700 W: 1395-1530 MHz in bench/results/sol_stability),
+    not the higher one it starts from after idling through compiles and checks (1980 MHz)."""
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         fn()
@@ -88,7 +88,8 @@ def heat(fn, seconds: float) -> None:
 
 def graphed(fn):
     """fn captured once into a CUDA graph (after two warm-up calls on a side stream; outputs and
-    grads reused); its replay."""
+    grads reused); its replay, which holds fn: the graph reads the tensors fn's closure holds, and
+    once freed their memory is reused, or given back to the driver by the next capture."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -98,7 +99,11 @@ def graphed(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return g.replay
+
+    def replay(_inputs=fn) -> None:
+        g.replay()
+
+    return replay
 
 
 def graph_ms(fn) -> float | None:

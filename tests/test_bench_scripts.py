@@ -375,3 +375,25 @@ def test_epilogue_cost_cases(cpu_harness) -> None:
     assert cpu_harness.NOTES == []
     assert sorted(r["case"] for r in rows) == sorted(epilogue_cost.CASES)
     assert all(r["err"] < 2e-2 for r in rows)
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+def test_graphed_replay_holds_the_tensors_its_graph_reads() -> None:
+    """A replay must keep its captured closure's inputs alive: once freed, their memory is reused,
+    or given back to the driver by the next capture, and the graph reads it anyway (the block's SoL
+    graph once read freed inputs: wrong data, then an illegal address)."""
+    import gc
+    import weakref
+
+    x = torch.randn(1024, 1024, device="cuda")
+    out = torch.empty_like(x)
+    expected, held = x * 2, weakref.ref(x)
+    replay = harness.graphed(lambda x=x: out.copy_(x * 2))
+    del x
+    gc.collect()
+    assert held() is not None
+    harness.graphed(lambda: torch.ones(4096, 4096, device="cuda"))  # a capture empties the allocator's cache
+    out.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

@@ -150,9 +150,12 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
 
     def row(variant: str, fn, **extra) -> dict:
         """variant's row: fn timed right after a warm SoL, which its ratio is taken against (the
-        power-bound clock drifts over a run)."""
+        power-bound clock drifts over a run), and the cudaMalloc calls made while fn was timed."""
         sol_ms = sol_now()
-        return {"D": d, "FFN": f, "M": m, "variant": variant, "ms": harness.timed(fn), "sol_ms": sol_ms, **extra}
+        allocs = _device_allocs()
+        ms = harness.timed(fn)
+        return {"D": d, "FFN": f, "M": m, "variant": variant, "ms": ms, "sol_ms": sol_ms,
+                "device_allocs": _device_allocs() - allocs, **extra}
 
     sol_now()
     save(out)
@@ -165,9 +168,7 @@ def block_rows(d: int, f: int, m: int, peers: bool, compile_budget_s: float, sav
             err = check(fn())
             if not err < 2e-2:
                 raise AssertionError(f"error {err:.3g} vs fp32")
-            allocs = _device_allocs()
             out.append(row(name, fn, err=err))
-            out[-1]["device_allocs"] = _device_allocs() - allocs
             save(out)
             log(f"  block D={d} {name:40s} {out[-1]['ms']:8.3f} ms, SoL {out[-1]['sol_ms']:.3f} "
                 f"({out[-1]['device_allocs']} cudaMalloc while timed)")

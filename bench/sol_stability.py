@@ -1,11 +1,12 @@
 """How steady the block's speed of light (SoL) is within one process, and how it is captured (H200).
 
-The SoL graph (the block's bare cuBLAS GEMMs back to back in one CUDA graph) has read from 4.06 to
-4.59 ms at D=2048 across runs on different machines, while coda's step moved less; a ratio against it
-is only as good as it is. This times, in `--rounds` rounds per width in one process: the SoL graph as
-block_kernels captures it (every GEMM's output kept, distinct buffers), the same GEMMs captured with
-each output dropped at once (buffers reused), the sum of each GEMM timed alone, and coda's block step
-(native weights), each followed by the GPU's SM clock, power draw and temperature (nvidia-smi).
+The block's ratios are taken against its SoL graph (its bare cuBLAS GEMMs back to back in one CUDA
+graph), which is only as good as it is steady. This times, in `--rounds` rounds per width in one
+process: the SoL graph as block_kernels captures it (every GEMM's output kept, distinct buffers), the
+same GEMMs captured with each output dropped at once (buffers reused), the sum of each GEMM timed
+alone, and coda's block step (native weights), each followed by the GPU's SM clock, power draw and
+temperature (nvidia-smi). (Its first run showed the SoL graph reading freed inputs: fixed in
+harness.graphed at f0e466d.)
 
     python bench/sol_stability.py --out DIR [--d 2048,4096] [--rounds 3]
 """

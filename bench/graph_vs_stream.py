@@ -24,9 +24,8 @@ import torch
 
 import harness
 from harness import NOTES, log
-from ops_block import block_case, block_steps, sol_replay
+from ops_block import WIDTHS, block_case, block_steps, sol_replay
 
-WIDTHS = {2048: 8192, 4096: 14336}
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:

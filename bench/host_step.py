@@ -24,8 +24,7 @@ import torch
 
 import harness
 from harness import log
-from block_kernels import WIDTHS
-from ops_block import block_case, block_steps
+from ops_block import WIDTHS, block_case, block_steps
 
 
 def enqueue_ms(fn, steps: int = 8, profile: cProfile.Profile | None = None) -> float:

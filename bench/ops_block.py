@@ -160,6 +160,9 @@ def bench_linear_ce(m: int, d: int, v: int) -> None:
     variants("linear_ce", shape, impls, lambda _: (x, w), ref, refg, None)
 
 
+WIDTHS = {2048: 8192, 4096: 14336}  # the block's benchmarked widths, D -> FFN
+
+
 def block_case(m: int, d: int, f: int, heads: int = 32, kv: int = 8) -> dict:
     """The block's inputs, implementations and fp32 checks (shared with bench/block_kernels.py)."""
     hd = d // heads
@@ -348,10 +351,9 @@ def main() -> None:
         bench_linear_ce(8192, 2048, 128256)
         save()
     if "block" in ops:
-        bench_block(8192, 2048, 8192)
-        save()
-        bench_block(8192, 4096, 14336)
-        save()
+        for d, f in WIDTHS.items():
+            bench_block(8192, d, f)
+            save()
     log(f"measured {len(ROWS)} rows in {time.time() - t0:.0f} s")
     log(table(summary(ROWS)))
 

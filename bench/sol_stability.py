@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 import harness
-from harness import log
-from ops_block import block_case, block_steps, rand, sol_replay
+from harness import log, rand
+from ops_block import WIDTHS, block_case, block_steps, sol_replay
 
-WIDTHS = {2048: 8192, 4096: 14336}
 SMI = "clocks.sm,power.draw,temperature.gpu,power.limit"
 
 

@@ -397,3 +397,19 @@ def test_graphed_replay_holds_the_tensors_its_graph_reads() -> None:
     replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_sol_stability_reads_the_gpu_state_and_tables_its_rounds(monkeypatch) -> None:
+    """The GPU's state comes from one nvidia-smi line; each round is a row, coda against that round's SoL."""
+    import sol_stability as ss
+
+    def fake_smi(cmd, **kwargs):
+        assert cmd[1] == f"--query-gpu={ss.SMI}"
+        return subprocess.CompletedProcess(cmd, 0, stdout="1455, 684.89, 58, 700.00\n")
+
+    monkeypatch.setattr(ss.subprocess, "run", fake_smi)
+    state = ss.gpu_state()
+    assert state == {"sm_mhz": 1455.0, "power_w": 684.89, "temp_c": 58.0, "power_limit_w": 700.0}
+    row = {"D": 2048, "round": 1, "sol_kept_ms": 4.4, "sol_dropped_ms": 4.5, "sum_alone_ms": 4.35,
+           "coda_native_ms": 4.84, "ratio_kept": 1.1, "coda_native_gpu": state}
+    assert "| 2048 | 1 | 4.400 | 4.500 | 4.350 | 4.840 | 1.100 | 1455, 685, 58 |" in ss.table([row])

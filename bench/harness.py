@@ -78,7 +78,7 @@ def timed(fn) -> float:
 
 def heat(fn, seconds: float) -> None:
     """Run fn back to back for `seconds`, so that what is timed next runs at the clock the H200 holds
-    under sustained GEMM load (power-bound near its 700 W: 1395-1530 MHz in bench/results/sol_stability),
+    under sustained GEMM load (power-bound near its 700 W: 1410-1485 MHz in bench/results/sol_stability),
     not the higher one it starts from after idling through compiles and checks (1980 MHz)."""
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:

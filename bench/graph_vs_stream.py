@@ -15,8 +15,6 @@ gaps between kernels.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -84,20 +82,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--merge", type=Path, help="write <out>/graph_vs_stream.{json,md} from a measured JSON")
     args = ap.parse_args()
-    if args.merge:
-        data = json.loads(args.merge.read_text())
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("graph_vs_stream.py measures on a CUDA GPU; --merge runs anywhere")
-        torch.manual_seed(0)
-        meta = harness.run_meta(f"coda_native block step, bf16, M=8192, untuned; torch.profiler CUDA kernel records, "
-                                f"mean per step over {args.iters} steps each way after warm-up; timed = do_bench median")
-        data = {"meta": meta, "widths": [], "notes": NOTES}
+
+    def widths() -> dict:
+        out = []
         for d in map(int, args.d.split(",")):
             try:
-                data["widths"].append(measure(d, args.iters))
+                out.append(measure(d, args.iters))
             except Exception as exc:  # noqa: BLE001
                 NOTES.append(f"D={d}: {type(exc).__name__}: {str(exc)[:200]}")
+        return {"widths": out}
+
+    data = harness.measured_or_merged(
+        args.merge, "graph_vs_stream.py", f"coda_native block step, bf16, M=8192, untuned; torch.profiler CUDA kernel "
+        f"records, mean per step over {args.iters} steps each way after warm-up; timed = do_bench median", widths)
     harness.write_results(args.out, "graph_vs_stream", data, table(data))
     log(table(data))
 

@@ -4,8 +4,10 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -31,6 +33,17 @@ def run_meta(protocol: str, **extra: object) -> dict:
 
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit(), "python": platform.python_version(), **extra, "protocol": protocol}
+
+
+def measured_or_merged(merge: Path | None, script: str, protocol: str, measure: Callable[[], dict]) -> dict:
+    """A script's data: read back from `merge` (a JSON it measured before; runs anywhere), else
+    measured now on a CUDA GPU, seeded: {"meta": run_meta(protocol), **measure(), "notes"}."""
+    if merge:
+        return json.loads(merge.read_text())
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} measures on a CUDA GPU; --merge runs anywhere")
+    torch.manual_seed(0)
+    return {"meta": run_meta(protocol), **measure(), "notes": NOTES}
 
 
 def write_results(out: Path, name: str, data: dict, table: str, preface: tuple[str, ...] = ()) -> None:

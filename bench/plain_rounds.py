@@ -14,8 +14,6 @@ against fp32 first.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -81,17 +79,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/plain_rounds"))
     ap.add_argument("--merge", type=Path, help="write <out>/plain_rounds.{json,md} from a measured JSON")
     args = ap.parse_args()
-    if args.merge:
-        data = json.loads(args.merge.read_text())
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("plain_rounds.py measures on a CUDA GPU; --merge runs anywhere")
-        torch.manual_seed(0)
-        meta = harness.run_meta("do_bench median, bf16, untuned configs given explicitly; each checked against "
-                                "fp32 first; cuBLAS = a @ b of the same operands in the same run")
-        data = {"meta": meta, "rows": measure(), "notes": NOTES}
+    data = harness.measured_or_merged(args.merge, "plain_rounds.py", "do_bench median, bf16, untuned configs given "
+                                      "explicitly; each checked against fp32 first; cuBLAS = a @ b of the same "
+                                      "operands in the same run", lambda: {"rows": measure()})
     harness.write_results(args.out, "plain_rounds", data, table(data["rows"]))
     log(table(data["rows"]))
+
 
 if __name__ == "__main__":
     main()

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -184,22 +182,16 @@ def main() -> None:
     ap.add_argument("--merge", type=Path, help="write <out>/rowwise.{json,md} from a measured JSON")
     ap.add_argument("--sweep", action="store_true", help="also rms_backward under every tiling of TILINGS")
     args = ap.parse_args()
-    if args.merge:
-        data = json.loads(args.merge.read_text())
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("rowwise_bandwidth.py measures on a CUDA GPU; --merge runs anywhere")
-        torch.manual_seed(0)
-        meta = harness.run_meta(f"do_bench median, bf16 activations, M={M}; each kernel checked against a "
-                                "PyTorch formula first; x add = its bytes per ms over torch.add's (same sizes, same run)")
-        data = {"meta": meta, "rows": measure(), "notes": NOTES}
-        if args.sweep:
-            data["sweep"] = sweep()
+    data = harness.measured_or_merged(
+        args.merge, "rowwise_bandwidth.py", f"do_bench median, bf16 activations, M={M}; each kernel checked against a "
+        "PyTorch formula first; x add = its bytes per ms over torch.add's (same sizes, same run)",
+        lambda: {"rows": measure(), **({"sweep": sweep()} if args.sweep else {})})
     text = table(data["rows"])
     if data.get("sweep"):
         text += "\n\nrms_backward per tiling, fastest first:\n\n" + sweep_table(data["sweep"])
     harness.write_results(args.out, "rowwise", data, text)
     log(text)
+
 
 if __name__ == "__main__":
     main()

@@ -413,3 +413,21 @@ def test_sol_stability_reads_the_gpu_state_and_tables_its_rounds(monkeypatch) ->
     row = {"D": 2048, "round": 1, "sol_kept_ms": 4.4, "sol_dropped_ms": 4.5, "sum_alone_ms": 4.35,
            "coda_native_ms": 4.84, "ratio_kept": 1.1, "coda_native_gpu": state}
     assert "| 2048 | 1 | 4.400 | 4.500 | 4.350 | 4.840 | 1.100 | 1455, 685, 58 |" in ss.table([row])
+
+
+def test_measured_or_merged_reads_back_needs_a_gpu_and_seeds(cpu_harness, tmp_path, monkeypatch) -> None:
+    """The scripts' one start: --merge reads the JSON back anywhere; measuring needs a GPU (else it
+    exits saying so) and gives {"meta", **measure(), "notes"} after seeding."""
+    (tmp_path / "m.json").write_text(json.dumps({"meta": {"commit": "x"}, "rows": [1], "notes": []}))
+    merged = cpu_harness.measured_or_merged(tmp_path / "m.json", "s.py", "p", lambda: pytest.fail("measured"))
+    assert merged == {"meta": {"commit": "x"}, "rows": [1], "notes": []}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="s.py measures on a CUDA GPU; --merge runs anywhere"):
+        cpu_harness.measured_or_merged(None, "s.py", "p", lambda: pytest.fail("measured"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    cpu_harness.NOTES.append("a note")
+    data = cpu_harness.measured_or_merged(None, "s.py", "p", lambda: {"rows": [torch.rand(1).item()]})
+    torch.manual_seed(0)
+    assert data["rows"] == [torch.rand(1).item()] and data["notes"] == ["a note"]
+    assert data["meta"]["gpu"] == "fake" and data["meta"]["protocol"] == "p"

@@ -49,13 +49,14 @@ def measure(d: int, rounds: int, m: int = 8192) -> list[dict]:
             a @ w.T
 
     dropped = harness.graphed(dropped_outputs)
+    timings = {"sol_kept_ms": lambda: harness.timed(kept), "sol_dropped_ms": lambda: harness.timed(dropped),
+               "sum_alone_ms": lambda: sum(harness.timed(lambda a=a, w=w: a @ w.T) for a, w in pairs),
+               "coda_native_ms": lambda: harness.timed(step)}
     out = []
     for r in range(rounds):
         row: dict = {"D": d, "round": r}
-        for name, fn in (("sol_kept_ms", kept), ("sol_dropped_ms", dropped),
-                         ("sum_alone_ms", None), ("coda_native_ms", step)):
-            row[name] = (sum(harness.timed(lambda a=a, w=w: a @ w.T) for a, w in pairs) if fn is None
-                         else harness.timed(fn))
+        for name, time_it in timings.items():
+            row[name] = time_it()
             row[name.replace("_ms", "_gpu")] = gpu_state()
         row["ratio_kept"] = row["coda_native_ms"] / row["sol_kept_ms"]
         log(f"  D={d} round {r}: SoL kept {row['sol_kept_ms']:.3f} dropped {row['sol_dropped_ms']:.3f} "

@@ -283,7 +283,7 @@ def main() -> None:
     meta = harness.run_meta("do_bench median, bf16, M=8192; each kernel replayed alone on the operands the block gave "
                             "it (checked against the fp32 reference of its epilogue first); bare_gemm_ms = torch.matmul "
                             "(cuBLAS) of the same operands; block rows forward+backward, checked against fp32.",
-                            autotune=os.environ.get("CODA_AUTOTUNE", "1"))
+                            autotune=os.environ.get("CODA_AUTOTUNE", "0"))
     data = {"meta": meta, "rows": [], "sweep": [], "block": [], "notes": NOTES}
     args.out.mkdir(parents=True, exist_ok=True)
     if args.block_only:

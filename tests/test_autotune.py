@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,8 +42,9 @@ def key(**changes: object) -> TuneKey:
 
 
 def fake_time(cfg: Config) -> float:
-    """A deterministic 'benchmark': prefers 128x256, 3 stages, flatten on, TMA stores on."""
-    t = 1.0 + abs(cfg.block_n - 256) / 1000 + abs(cfg.block_m - 128) / 1000 + abs(cfg.num_stages - 3) / 100
+    """A deterministic 'benchmark': prefers 128x256, 4 stages, flatten on, TMA stores on (swiglu's
+    default, 128x256 with 3 stages, is 9% slower: a winner the tuner keeps)."""
+    t = 1.0 + abs(cfg.block_n - 256) / 1000 + abs(cfg.block_m - 128) / 1000 + abs(cfg.num_stages - 4) / 10
     return t - 0.01 * cfg.flatten - 0.02 * cfg.tma_store
 
 
@@ -57,7 +59,8 @@ def fake_measure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Config
         return fake_time(launched[-1])
 
     monkeypatch.setattr(autotune, "measure", measure)
-    monkeypatch.delenv("CODA_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "SESSION", autotune.Session())
+    monkeypatch.setenv("CODA_AUTOTUNE", "1")
     monkeypatch.setenv("CODA_TUNE_QUIET", "1")
     return launched
 
@@ -143,7 +146,7 @@ def test_m_bucket(m: int, bucket: int) -> None:
 
 def test_tune_picks_fastest_and_stores_it(fake_measure: list[Config]) -> None:
     cfg = choose(fake_measure)
-    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.flatten, cfg.tma_store) == (128, 256, 3, True, True)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.flatten, cfg.tma_store) == (128, 256, 4, True, True)
     assert any(c.flatten for c in fake_measure) and not all(c.flatten for c in fake_measure)  # two rounds
     entry = autotune.load_entry(key())
     assert entry is not None and entry.config == cfg and entry.ms == pytest.approx(fake_time(cfg))
@@ -154,7 +157,11 @@ def test_row_group_round_times_distinct_orders_of_the_winner(fake_measure: list[
     monkeypatch.setattr(autotune, "measure", lambda fn: (fn(), fake_time(fake_measure[-1]) - 0.001 * (fake_measure[-1].group_m == 16))[1])
     cfg = choose(fake_measure)
     assert cfg.group_m == 16 and (cfg.block_m, cfg.block_n, cfg.flatten, cfg.tma_store) == (128, 256, True, True)
-    groups = [c.group_m for c in fake_measure if c.model_copy(update={"group_m": 8}) == cfg.model_copy(update={"group_m": 8})]
+    default = default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
+    duel = 2 * autotune.DUEL_ROUNDS
+    assert fake_measure[-duel:] == [default, cfg] * autotune.DUEL_ROUNDS  # the default and the winner, alternately
+    search = fake_measure[:-duel]
+    groups = [c.group_m for c in search if c.model_copy(update={"group_m": 8}) == cfg.model_copy(update={"group_m": 8})]
     assert sorted(groups) == [4, 4, 8, 8, 16, 16, 64, 64]  # each group size once (a build, then its timing)
 
 
@@ -197,6 +204,83 @@ def test_bad_switch_value_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         autotune.mode()
 
 
+def test_default_setting_never_tunes(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, CODA_AUTOTUNE is 0: the default config, nothing launched to time, no file written."""
+    monkeypatch.delenv("CODA_AUTOTUNE")
+    assert autotune.mode() == "0"
+    cfg = choose(fake_measure)
+    assert fake_measure == [] and cfg == default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
+    assert autotune.load_entry(key()) is None
+
+
+def test_default_is_timed_first(fake_measure: list[Config]) -> None:
+    choose(fake_measure)
+    assert fake_measure[:2] == [default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)] * 2  # build, time
+
+
+@pytest.mark.parametrize("speed, kept", [(0.98, False), (0.97001, False), (0.969, True), (0.5, True)])
+def test_a_winner_must_beat_the_default_by_the_margin(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch,
+                                                      speed: float, kept: bool) -> None:
+    """Every other config takes `speed` times the default's time: it is kept only if that is more
+    than 3% faster; otherwise the entry records that the default stays, and a later call reads it."""
+    default = default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
+    monkeypatch.setattr(autotune, "measure", lambda fn: (fn(), 1.0 if fake_measure[-1] == default else speed)[1])
+    cfg = choose(fake_measure)
+    entry = autotune.load_entry(key())
+    assert entry is not None and entry.default_ms == 1.0
+    if kept:
+        assert cfg != default and entry.config == cfg and entry.ms == speed
+    else:
+        assert cfg == default and entry.config is None and entry.ms == 1.0
+    fake_measure.clear()
+    assert choose(fake_measure) == cfg and fake_measure == []  # read from the cache, nothing timed
+
+
+def test_the_duel_decides_not_the_search(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config timed 10% faster during the search but no faster against the default at the end
+    (say, the clock changed) is not kept."""
+    default = default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
+    timings = iter(range(10**6))
+    duel_start: list[int] = []
+
+    def measure(fn) -> float:
+        fn()
+        i = next(timings)
+        if fake_measure[-1] == default:
+            if i > 0:  # the default again: the duel has begun
+                duel_start.append(i)
+            return 1.0
+        return 1.0 if duel_start else 0.9
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    assert choose(fake_measure) == default and duel_start
+    assert autotune.load_entry(key()).config is None
+
+
+def test_without_a_default_the_best_is_kept(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no default config fits the call, the search alone decides (nothing to compare with)."""
+    def no_default(*args: object) -> Config:
+        raise ValueError("no config fits")
+
+    monkeypatch.setattr(autotune, "default_config", no_default)
+    cfg = choose(fake_measure)
+    entry = autotune.load_entry(key())
+    assert entry is not None and entry.config == cfg and entry.default_ms is None
+
+
+def test_entry_of_the_previous_format_is_retuned(fake_measure: list[Config]) -> None:
+    """Entries written before the default was a candidate (no default_ms) were never compared
+    with it: they are not served."""
+    path = autotune._path(key())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = {"key": key().model_dump(), "config": Config(block_m=64, block_n=64, block_k=64).model_dump(), "ms": 0.1,
+           "candidates": 1}
+    path.write_text(json.dumps(old))
+    assert autotune.load_entry(key()) is None
+    choose(fake_measure)
+    assert fake_measure and autotune.load_entry(key()) is not None
+
+
 @pytest.mark.parametrize("garbage", ["", "{not json", '{"key": 1}', "[]"])
 def test_corrupt_entry_is_ignored_and_rewritten(fake_measure: list[Config], garbage: str) -> None:
     path = autotune._path(key())
@@ -208,7 +292,8 @@ def test_corrupt_entry_is_ignored_and_rewritten(fake_measure: list[Config], garb
 
 
 def test_entry_for_another_key_is_ignored(fake_measure: list[Config]) -> None:
-    other = TuneEntry(key=key(n=1), config=Config(block_m=64, block_n=64, block_k=64), ms=0.1, candidates=1)
+    other = TuneEntry(key=key(n=1), config=Config(block_m=64, block_n=64, block_k=64), ms=0.1, default_ms=0.2,
+                      candidates=1)
     path = autotune._path(key())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(other.model_dump_json())
@@ -217,7 +302,8 @@ def test_entry_for_another_key_is_ignored(fake_measure: list[Config]) -> None:
 
 def test_stale_entry_is_retuned(fake_measure: list[Config]) -> None:
     k = key(graph=grouped.graph.hash)
-    stale = TuneEntry(key=k, config=Config(block_m=128, block_n=64, block_k=64), ms=0.1, candidates=1)
+    stale = TuneEntry(key=k, config=Config(block_m=128, block_n=64, block_k=64), ms=0.1, default_ms=0.2,
+                      candidates=1)
     autotune.store_entry(stale)  # block_n=64 cannot hold groups of 256 columns
     cfg = choose(fake_measure, grouped.graph, k)
     assert fake_measure and cfg.block_n >= 256
@@ -235,16 +321,24 @@ def test_failing_configs_are_skipped(fake_measure: list[Config], monkeypatch: py
     assert cfg.block_n != 256
 
 
-def test_spilling_configs_are_pruned(fake_measure: list[Config]) -> None:
+def test_spilling_configs_are_pruned(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configs that spill are built but not timed, except the default (what runs untuned), which
+    here stays: the fastest config that does not spill is slower than it."""
+    timed: list[Config] = []
+    fake = autotune.measure
+    monkeypatch.setattr(autotune, "measure", lambda fn: (ms := fake(fn), timed.append(fake_measure[-1]))[0])
+    default = default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
     cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
                           lambda c: 12 if c.block_n == 256 else 0)
-    assert cfg.block_n != 256
+    assert default.block_n == 256 and cfg == default
+    assert {c for c in fake_measure if c.block_n == 256} - {default}  # spilling configs were built
+    assert all(c.block_n != 256 for c in timed if c != default)  # but not timed
 
 
 def test_when_every_config_uses_local_memory_the_fastest_wins(fake_measure: list[Config]) -> None:
     cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
                           lambda c: 32)
-    assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, 256, 3)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, 256, 4)
 
 
 def test_tiny_problems_keep_candidates() -> None:
@@ -262,11 +356,23 @@ def test_no_runnable_config_is_an_error(fake_measure: list[Config]) -> None:
 
 def test_progress_is_reported(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A line per key (which of how many, and the time left once a key has been timed) and per
+    config (its count in the round, the time left in the round), then what was kept."""
     monkeypatch.setenv("CODA_TUNE_QUIET", "0")
+    autotune.SESSION.planned = 2
     choose(fake_measure)
-    err = capsys.readouterr().err
-    assert "[coda tune] tuning swiglu M<=8192 N=16384 K=2048" in err
-    assert "[coda tune] best 128x256x64" in err and err.count(" ms\n") == len(set(fake_measure))
+    choose(fake_measure, k=key(n=8192))
+    lines = capsys.readouterr().err.splitlines()
+    headers = [line for line in lines if " configs + variants" in line]
+    assert headers[0].startswith("[coda tune] key 1/2: swiglu M<=8192 N=16384 K=2048 on NVIDIA H200, ")
+    assert "left for this and the other keys" not in headers[0]
+    assert headers[1].startswith("[coda tune] key 2/2: swiglu M<=8192 N=8192 K=2048")
+    assert re.search(r"\((about \d+ s|under 1 s) left for this and the other keys\)$", headers[1])
+    timed = [line for line in lines if re.match(r"\[coda tune\]   \[\d+/\d+\] .*: \d+\.\d+ ms; ", line)]
+    assert timed and all(re.search(r"(about \d+ s|under 1 s) left in this round$", line) for line in timed)
+    assert "(default): " in timed[0]  # the default is timed first
+    assert len(timed) == sum(entry.candidates for _, entry, _ in autotune.SESSION.tuned)
+    assert sum(line.startswith("[coda tune] kept 128x256x64") for line in lines) == 2
 
 
 # -- across processes ----------------------------------------------------------------------
@@ -286,7 +392,7 @@ _SCRIPT = textwrap.dedent("""
     def measure(fn):
         fn()
         time.sleep(float(sys.argv[1]))
-        return 1.0 + abs(calls[-1].block_n - 256) / 1000 - 0.01 * calls[-1].flatten
+        return 1.0 + abs(calls[-1].block_n - 256) / 1000 + abs(calls[-1].num_stages - 4) / 10 - 0.01 * calls[-1].flatten
     autotune.measure = measure
     key = autotune.TuneKey(graph=swiglu.graph.hash, m_bucket=8192, n=16384, k=2048, spec="s", gpu="g",
                            triton="3.6.0", coda=coda.__version__, generator="g0", backends=("triton",))
@@ -296,8 +402,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _spawn(tmp_path: Path, delay: float) -> subprocess.Popen:
-    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_TUNE_QUIET": "1"}
-    env.pop("CODA_AUTOTUNE", None)
+    env = {**os.environ, "CODA_CACHE_DIR": str(tmp_path), "CODA_TUNE_QUIET": "1", "CODA_AUTOTUNE": "1"}
     return subprocess.Popen([sys.executable, "-c", _SCRIPT, str(delay)], env=env, stdout=subprocess.PIPE, text=True)
 
 

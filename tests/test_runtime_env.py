@@ -32,7 +32,7 @@ def test_bad_config_in_tuning_file_is_ignored(tmp_path, monkeypatch):
     """A tuning file whose config is impossible (num_warps=3) is not served: it is retuned."""
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     key = autotune.TuneKey(graph="g", m_bucket=64, n=64, k=64, spec="s", gpu="x", triton="t", coda="c", generator="g", backends=("triton",))
-    good = TuneEntry(key=key, config=coda.Config(block_m=64, block_n=64, block_k=64), ms=1.0, candidates=1)
+    good = TuneEntry(key=key, config=coda.Config(block_m=64, block_n=64, block_k=64), ms=1.0, default_ms=1.1, candidates=1)
     autotune.store_entry(good)
     assert autotune.load_entry(key) == good
     path = autotune._path(key)

@@ -4,12 +4,16 @@ Candidates come from a Hopper config space, pruned before any benchmark by what
 cannot work (shared memory, accumulator registers, pair and group constraints),
 then, once compiled, by what the compiler reports: a config with local memory (register
 spills) is not benchmarked unless every config spills. Each survivor is benchmarked *with the
-epilogue fused in* on the caller's own inputs. Winners are stored one JSON file per
-key under `$CODA_CACHE_DIR/tuning/`, written atomically; an unreadable or stale
-entry is ignored and retuned.
+epilogue fused in* on the caller's own inputs, beside the default config (the one an untuned
+call runs). A winner is kept only where it beats the default by MARGIN, the two timed
+alternately at the end; otherwise the key records that the default stays. Entries are stored
+one JSON file per key under `$CODA_CACHE_DIR/tuning/`, written atomically; an unreadable or
+stale entry is ignored and retuned.
 
-`CODA_AUTOTUNE`: `1` (default on a GPU) tunes on the first call of each key;
-`0` skips tuning and uses the default config; `force` retunes even when cached.
+`CODA_AUTOTUNE`: `0` (the default) never tunes and runs the default config, so that no call
+stalls on tuning (on the H200 the tuner took ~400 s for the 12 keys of one block step, which then
+ran no faster than untuned); `1` tunes each key on its first call (or reads the key's cached
+entry); `force` retunes even when cached. `coda tune` tunes ahead of time.
 `CODA_TUNE_QUIET=1` silences the progress lines (written to stderr).
 """
 
@@ -21,6 +25,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import triton
@@ -34,6 +39,8 @@ from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
 from .config import Config, check_config, default_config, min_block_n, smem_bytes
 
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
+MARGIN = 0.03  # a tuned config must be this much faster than the default to be kept
+DUEL_ROUNDS = 3  # alternating timings of the default and the best at the end
 
 
 class TuneKey(BaseModel):
@@ -57,11 +64,28 @@ class TuneKey(BaseModel):
 
 
 class TuneEntry(BaseModel):
+    """A key's tuning result. `config` None: nothing beat the default config by MARGIN, so the
+    default runs (the default of the call's own M, as an untuned call would run it)."""
+
     model_config = ConfigDict(extra="forbid")
     key: TuneKey
-    config: Config
-    ms: float
+    config: Config | None
+    ms: float  # the kept config's median (the default's when config is None)
+    default_ms: float | None  # the default's, timed in the same process (None: it could not run)
     candidates: int
+
+
+@dataclass
+class Session:
+    """This process's tuning, for progress lines and `coda tune`'s report: every key a call
+    asked about (tuned or not), how many keys `coda tune` expects to tune, and each result."""
+
+    asked: set[TuneKey] = field(default_factory=set)
+    planned: int = 0
+    tuned: list[tuple[str, TuneEntry, float]] = field(default_factory=list)  # graph name, entry, seconds
+
+
+SESSION = Session()
 
 
 def m_bucket(m: int) -> int:
@@ -70,7 +94,7 @@ def m_bucket(m: int) -> int:
 
 
 def mode() -> str:
-    value = os.environ.get("CODA_AUTOTUNE", "1").strip().lower()
+    value = os.environ.get("CODA_AUTOTUNE", "0").strip().lower()
     if value not in ("0", "1", "force"):
         raise ValueError(f"CODA_AUTOTUNE must be 0, 1 or force, got {value!r}")
     return value
@@ -208,37 +232,61 @@ def _label(cfg: Config) -> str:
             f"{' loop' if cfg.epilogue_loop else ''}{' coop' if cfg.cooperative else ''}")
 
 
+def _left(seconds: float) -> str:
+    return f"about {seconds:.0f} s left" if seconds >= 1 else "under 1 s left"
+
+
+def _header(graph: Graph, key: TuneKey, count: int) -> str:
+    """The line opening a key's tuning: which key of how many, and the time left at the rate so far."""
+    done = SESSION.tuned
+    which = f"key {len(done) + 1}/{SESSION.planned}" if SESSION.planned > len(done) else f"key {len(done) + 1}"
+    line = (f"{which}: {graph.name} M<={key.m_bucket} N={key.n} K={key.k} on {key.gpu}, "
+            f"{count} configs + variants")
+    if done and SESSION.planned > len(done):
+        per_key = sum(sec for _, _, sec in done) / len(done)
+        line += f" ({_left(per_key * (SESSION.planned - len(done)))} for this and the other keys)"
+    return line
+
+
 def tune(
     graph: Graph, key: TuneKey, configs: list[Config], launch: Callable[[Config], object],
     spills: Callable[[Config], int | None] = lambda cfg: None,
-    keep: Callable[[Config], bool] = lambda cfg: True, top: int = 2,
+    keep: Callable[[Config], bool] = lambda cfg: True, top: int = 2, default: Config | None = None,
 ) -> TuneEntry:
-    """Benchmark configs with `launch(cfg)` (the fused kernel on the caller's inputs), then the
-    option variants of the `top` best that `keep` admits, then the best one's row-group sizes;
-    store and return the winner."""
-    _say(f"tuning {graph.name} M<={key.m_bucket} N={key.n} K={key.k} on {key.gpu}: {len(configs)} configs + variants")
+    """Benchmark `default` (what an untuned call runs) and configs with `launch(cfg)` (the fused
+    kernel on the caller's inputs), then the option variants of the `top` best that `keep`
+    admits, then the best one's row-group sizes. The best is kept only if, timed alternately
+    with the default, it is MARGIN faster; store and return the entry."""
+    first = ([default] if default is not None else []) + [c for c in configs if c != default]
+    _say(_header(graph, key, len(first)))
     timings: dict[Config, float] = {}
     spilling: list[Config] = []  # compiled, but with local memory: benchmarked only if nothing else runs
     t0 = time.time()
 
-    def bench(batch: list[Config], check_spills: bool = True) -> None:
-        for i, cfg in enumerate(batch, 1):
-            try:
-                launch(cfg)  # compiles; errors (e.g. out of resources) drop the config
-                spilled = spills(cfg) if check_spills else None
-                if spilled:
-                    spilling.append(cfg)
-                    _say(f"  [{i}/{len(batch)}] {_label(cfg)}: pruned, {spilled} B of local memory (spills)")
-                    continue
-                ms = measure(lambda: launch(cfg))
-            except Exception as exc:  # noqa: BLE001 - a config that fails to build is pruned, not fatal
-                _say(f"  [{i}/{len(batch)}] {_label(cfg)}: skipped ({type(exc).__name__}: {str(exc)[:80]})")
-                continue
-            timings[cfg] = ms
-            _say(f"  [{i}/{len(batch)}] {_label(cfg)}: {ms:.4f} ms")
+    def run(cfg: Config, check_spills: bool) -> str:
+        """Time one config into `timings` (or prune it); what happened, for its progress line."""
+        try:
+            launch(cfg)  # compiles; errors (e.g. out of resources) drop the config
+            # the default is timed even if it spills: it is what runs untuned
+            spilled = spills(cfg) if check_spills and cfg != default else None
+            if spilled:
+                spilling.append(cfg)
+                return f"pruned, {spilled} B of local memory (spills)"
+            timings[cfg] = measure(lambda: launch(cfg))
+        except Exception as exc:  # noqa: BLE001 - a config that fails to build is pruned, not fatal
+            return f"skipped ({type(exc).__name__}: {str(exc)[:80]})"
+        return f"{timings[cfg]:.4f} ms"
 
-    bench(configs)
-    if not timings and spilling:  # every config spills: the fastest of those is still the answer
+    def bench(batch: list[Config], check_spills: bool = True) -> None:
+        start = time.time()
+        for i, cfg in enumerate(batch, 1):
+            what = run(cfg, check_spills)
+            eta = (time.time() - start) / i * (len(batch) - i)
+            name = _label(cfg) + (" (default)" if cfg == default else "")
+            _say(f"  [{i}/{len(batch)}] {name}: {what}; {_left(eta)} in this round")
+
+    bench(first)
+    if spilling and not set(timings) - {default}:  # every config spills: the fastest is still the answer
         _say("every config spills; timing them anyway")
         bench(spilling, check_spills=False)
     leaders = sorted(timings, key=timings.get)[:top]
@@ -250,24 +298,63 @@ def tune(
     best = min(timings, key=timings.get)
     bench([v for v in group_variants(best, key.m_bucket) if v not in timings and v not in spilling])
     best = min(timings, key=timings.get)
-    entry = TuneEntry(key=key, config=best, ms=timings[best], candidates=len(timings))
+    config, ms, default_ms = _decide(best, timings, default, launch)
+    entry = TuneEntry(key=key, config=config, ms=ms, default_ms=default_ms, candidates=len(timings))
     store_entry(entry)
-    _say(f"best {_label(best)} at {timings[best]:.4f} ms ({time.time() - t0:.0f} s, {len(timings)} timed)")
+    seconds = time.time() - t0
+    SESSION.tuned.append((graph.name, entry, seconds))
+    kept = "the default stays" if entry.config is None else f"kept {_label(best)}"
+    _say(f"{kept}: {entry.ms:.4f} ms against the default's "
+         f"{'-' if entry.default_ms is None else f'{entry.default_ms:.4f}'} ms ({seconds:.0f} s, {len(timings)} timed)")
     return entry
+
+
+def _decide(best: Config, timings: dict[Config, float], default: Config | None,
+            launch: Callable[[Config], object]) -> tuple[Config | None, float, float | None]:
+    """(config kept or None for the default, its ms, the default's ms): the default stays unless
+    `best`, timed alternately with it (so that a clock drifting over the search favours
+    neither), is MARGIN faster."""
+    if default is None or default not in timings:  # no baseline: the default cannot run here
+        return best, timings[best], None
+    if best == default:
+        return None, timings[default], timings[default]
+    pairs = [(measure(lambda: launch(default)), measure(lambda: launch(best))) for _ in range(DUEL_ROUNDS)]
+    default_ms = sorted(d for d, _ in pairs)[DUEL_ROUNDS // 2]
+    best_ms = sorted(b for _, b in pairs)[DUEL_ROUNDS // 2]
+    if best_ms < default_ms * (1 - MARGIN):
+        return best, best_ms, default_ms
+    return None, default_ms, default_ms
+
+
+def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str) -> Config | None:
+    """The default config as the tuner times it, or None where no default fits the call. With no
+    tile output the TMA-store flag changes nothing, and the space drops it: so does this."""
+    try:
+        cfg = default_config(graph, in_dtype, False, m, n, k, backend)
+    except ValueError as exc:
+        _say(f"no default config for {graph.name} ({exc}); tuning without a baseline")
+        return None
+    if not any(isinstance(o, StoreOutput) for o in graph.outputs):
+        cfg = cfg.model_copy(update={"tma_store": False})
+    return cfg
 
 
 def choose(
     graph: Graph, key: TuneKey, in_dtype: str, in_size: int, out_size: int, m: int, n: int, k: int,
     launch: Callable[[Config], object], spills: Callable[[Config], int | None],
 ) -> Config:
-    """The config for this call: cached winner, fresh tuning over `key.backends`, or the
-    default (CODA_AUTOTUNE=0) of the first of them."""
+    """The config for this call: the default of the first of `key.backends` (CODA_AUTOTUNE=0),
+    or the key's cached entry, or a fresh tuning over `key.backends`."""
+    SESSION.asked.add(key)
     setting = mode()
     if setting == "0":
         return default_config(graph, in_dtype, False, m, n, k, key.backends[0])
+    baseline = _baseline(graph, in_dtype, m, n, k, key.backends[0])
     if setting == "1":
         entry = load_entry(key)
-        if entry is not None:
+        if entry is not None and entry.config is None and baseline is not None:
+            return baseline
+        if entry is not None and entry.config is not None:
             try:
                 check_config(graph, entry.config)
                 return entry.config
@@ -280,9 +367,13 @@ def choose(
     space = config_space(in_dtype, key.backends)
     if not any(isinstance(o, StoreOutput) for o in graph.outputs):  # nothing to store through TMA
         space = [c.model_copy(update={"tma_store": False}) for c in space]
-    configs = [c for c in space if keep(c)]
-    return tune(graph, key, configs, launch, spills, keep).config
+    entry = tune(graph, key, [c for c in space if keep(c)], launch, spills, keep, default=baseline)
+    if entry.config is not None:
+        return entry.config
+    assert baseline is not None  # the default stays only where it was timed
+    return baseline
 
 
-__all__ = ["TuneKey", "TuneEntry", "m_bucket", "mode", "config_space", "option_variants", "group_variants", "prune_reason",
-           "smem_bytes", "load_entry", "store_entry", "measure", "tune", "choose"]
+__all__ = ["TuneKey", "TuneEntry", "Session", "SESSION", "MARGIN", "m_bucket", "mode", "config_space",
+           "option_variants", "group_variants", "prune_reason", "smem_bytes", "load_entry", "store_entry", "measure",
+           "tune", "choose"]

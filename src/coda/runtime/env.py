@@ -3,7 +3,7 @@
 * `CODA_CACHE_DIR`: the cache root (default `~/.cache/coda`; `~` is expanded). When it cannot
   be written (read-only, or not a directory) coda warns once and uses a fresh temporary
   directory for the rest of the process instead of failing calls.
-* `CODA_AUTOTUNE`: `0`, `1` or `force` (coda.runtime.autotune.mode).
+* `CODA_AUTOTUNE`: `0` (the default: never tune), `1` or `force` (coda.runtime.autotune.mode).
 * `CODA_TUNE_QUIET`: a boolean (`0/1`, `true/false`, `yes/no`, `on/off`; empty is false).
 * `CODA_INTERPRET_PROGRAMS`: an integer >= 1, the persistent grid under the interpreter.
 """

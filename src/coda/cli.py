@@ -1,7 +1,9 @@
 """The `coda` command: `demo` (a fused RMSNorm + SwiGLU GEMM pair, checked and, on a GPU,
-timed) and `tune` (pre-tune epilogues for given shapes).
+timed), `tune` (tune ahead of time: epilogues on given shapes, or a model's training step;
+coda.pretune) and `--version`. Arguments are checked as they are parsed: a bad one is a
+one-line error and exit status 2.
 
-It runs docs/ALGEBRA.md sections 1-2 on one MLP input: a producer GEMM (the
+The demo runs docs/ALGEBRA.md sections 1-2 on one MLP input: a producer GEMM (the
 attention output projection) whose epilogue adds the residual, stores h = x * g and
 the per-row sum of squares; then the gate/up GEMM whose epilogue applies the RMSNorm
 row scale and SwiGLU. It prints the IR, compares against both the fp32 oracle and an
@@ -11,15 +13,16 @@ unfused standard-layout PyTorch implementation, and exits non-zero on a mismatch
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
+import json
 import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
 
 import coda
+from coda import pretune
 
 
 @coda.epilogue
@@ -98,85 +101,104 @@ def demo(gpu: bool, m: int, d: int, ffn: int, eps: float = 1e-6) -> bool:
     return ok
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def load_epilogue(target: str) -> coda.Epilogue | None:
-    """`plain` (no epilogue) or `package.module:name` naming a @coda.epilogue."""
-    if target == "plain":
-        return None
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise SystemExit(f"coda tune: {target!r} is not 'plain' or 'module:epilogue'")
-    ep = getattr(importlib.import_module(module_name), attr, None)
-    if not isinstance(ep, coda.Epilogue):
-        raise SystemExit(f"coda tune: {target} is not a @coda.epilogue (got {type(ep).__name__})")
-    return ep
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
+def positive_int(text: str) -> int:
     try:
-        m, n, k = (int(v) for v in text.split(","))
+        value = int(text)
     except ValueError:
-        raise SystemExit(f"coda tune: --shape takes M,N,K (three integers), got {text!r}") from None
-    return m, n, k
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
-def tune_command(targets: list[str], shapes: list[str], dtype: str, ints: list[str], force: bool) -> int:
-    """Pre-tune epilogues on given shapes: run each once so the autotuner fills its cache."""
-    if coda.runtime.interpreting():
-        print("coda tune: tuning needs a CUDA GPU (kernels here run in Triton's interpreter)", file=sys.stderr)
-        return 2
-    # The command exists to tune: CODA_AUTOTUNE=0 (skip tuning) would make it a silent no-op.
-    os.environ["CODA_AUTOTUNE"] = "force" if force else "1"
-    dt = _DTYPES[dtype]
-    for target in targets:
-        ep = load_epilogue(target)
-        graph = coda.runtime.graph_of(ep)
-        for m, n, k in map(parse_shape, shapes):
-            a = torch.randn(m, k, device="cuda").to(dt)
-            w = torch.randn(n, k, device="cuda").to(dt)
-            ops = {}
-            for s in graph.operands:
-                cols = int(n * s.frac_width)
-                if s.name in ints:
-                    size = {"scalar": (), "vec_m": (m,), "vec_n": (cols,), "tile": (m, cols)}[s.kind.value]
-                    ops[s.name] = torch.randint(0, n, size, device="cuda")
-                elif s.kind.value == "scalar":
-                    ops[s.name] = 1.0
-                elif s.kind.value == "vec_m":
-                    ops[s.name] = torch.rand(m, device="cuda")
-                elif s.kind.value == "vec_n":
-                    ops[s.name] = torch.rand(cols, device="cuda").to(dt)
-                else:
-                    ops[s.name] = torch.randn(m, cols, device="cuda").to(dt)
-            coda.gemm(a, w.T, ep, **ops)
-            torch.cuda.synchronize()
-            cfg = coda.runtime.launch.chosen_config(graph, a, w.T, ops)
-            print(f"{target} M={m} N={n} K={k} {dtype}: {cfg.model_dump() if cfg else 'default'}")
-    return 0
+def shape(text: str) -> tuple[int, int, int]:
+    """M,N,K: three positive integers."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"takes M,N,K (three positive integers), got {text!r}")
+    try:
+        return tuple(positive_int(p.strip()) for p in parts)  # type: ignore[return-value]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"takes M,N,K (three positive integers), got {text!r}") from None
+
+
+def setting(text: str) -> tuple[str, object]:
+    """key=value; the value as JSON where it parses (numbers, true/false, objects), else a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"takes key=value, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.strip(), value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="coda", description="coda command line")
+    p.add_argument("--version", action="version", version=f"%(prog)s {coda.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="run the fused RMSNorm + SwiGLU demo and check it against the reference")
+    d.add_argument("--m", type=positive_int, help="tokens (default 96 on CPU, 8192 on GPU)")
+    d.add_argument("--d", type=positive_int, help="model width (default 64 on CPU, 2048 on GPU)")
+    d.add_argument("--ffn", type=positive_int, help="MLP width (default 80 on CPU, 8192 on GPU)")
+    t = sub.add_parser(
+        "tune", help="tune ahead of time (GPU only; fills the tuning cache that CODA_AUTOTUNE=1 reads)",
+        description="Either epilogues on given shapes (coda tune plain mod:epilogue --shape M,N,K), or every GEMM "
+                    "of a model's training step (coda tune --hf-config LlamaConfig --set hidden_size=2048 ... "
+                    "--batch 2 --seq 4096).")
+    t.add_argument("targets", nargs="*", help="'plain' or module:epilogue (a @coda.epilogue object)")
+    t.add_argument("--shape", type=shape, action="append", default=[],
+                   help="M,N,K (repeatable); b is an nn.Linear weight view")
+    t.add_argument("--dtype", choices=sorted(pretune.DTYPES), default="bf16")
+    t.add_argument("--int", dest="ints", action="append", default=[], help="operand to fill with integer ids in [0, N)")
+    t.add_argument("--hf-config", help="a transformers config.json (or its directory), or a config class name "
+                                       "such as LlamaConfig: tune the coda model of that shape")
+    t.add_argument("--set", dest="overrides", type=setting, action="append", default=[],
+                   help="key=value: a config field (repeatable; the value as JSON where it parses)")
+    t.add_argument("--batch", type=positive_int, help="sequences per step (with --hf-config)")
+    t.add_argument("--seq", type=positive_int, help="tokens per sequence (with --hf-config)")
+    t.add_argument("--force", action="store_true", help="retune even when a cached entry exists")
+    return p
+
+
+def _tune(args: argparse.Namespace) -> list[str]:
+    """What `coda tune` was asked, checked (a TuneError says what is wrong), then done."""
+    if args.hf_config is not None:
+        if args.targets or args.shape:
+            raise pretune.TuneError("--hf-config tunes a model: give no epilogues or --shape with it")
+        if args.batch is None or args.seq is None:
+            raise pretune.TuneError("--hf-config needs --batch and --seq (the training step's shape)")
+        model = pretune.model_shape(pretune.hf_config(args.hf_config, dict(args.overrides)))
+        return pretune.tune_model(model, args.batch, args.seq, args.force)
+    if not args.targets or not args.shape:
+        raise pretune.TuneError("give epilogues and --shape M,N,K, or --hf-config with --batch and --seq")
+    if args.overrides or args.batch is not None or args.seq is not None:
+        raise pretune.TuneError("--set, --batch and --seq go with --hf-config")
+    return pretune.tune_epilogues(args.targets, args.shape, args.dtype, args.ints, args.force)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="coda", description="coda command line")
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run the fused RMSNorm + SwiGLU demo and check it against the reference")
-    d.add_argument("--m", type=int, help="tokens (default 96 on CPU, 8192 on GPU)")
-    d.add_argument("--d", type=int, help="model width (default 64 on CPU, 2048 on GPU)")
-    d.add_argument("--ffn", type=int, help="MLP width (default 80 on CPU, 8192 on GPU)")
-    t = sub.add_parser("tune", help="pre-tune epilogues for given shapes (GPU only; fills the tuning cache)")
-    t.add_argument("targets", nargs="+", help="'plain' or module:epilogue (a @coda.epilogue object)")
-    t.add_argument("--shape", action="append", required=True, help="M,N,K (repeatable); b is an nn.Linear weight view")
-    t.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    t.add_argument("--int", dest="ints", action="append", default=[], help="operand to fill with integer ids in [0, N)")
-    t.add_argument("--force", action="store_true", help="retune even when a cached winner exists")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if args.command == "tune":
-        return tune_command(args.targets, args.shape, args.dtype, args.ints, args.force)
+        try:
+            lines = _tune(args)
+        except pretune.TuneError as exc:
+            print(f"coda tune: error: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(lines))
+        return 0
     gpu = not coda.runtime.interpreting()
-    m = args.m or (8192 if gpu else 96)
-    dm = args.d or (2048 if gpu else 64)
-    ffn = args.ffn or (8192 if gpu else 80)
+    m = args.m if args.m is not None else (8192 if gpu else 96)
+    dm = args.d if args.d is not None else (2048 if gpu else 64)
+    ffn = args.ffn if args.ffn is not None else (8192 if gpu else 80)
     return 0 if demo(gpu, m, dm, ffn) else 1
 
 

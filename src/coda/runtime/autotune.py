@@ -225,7 +225,8 @@ def measure(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def _label(cfg: Config) -> str:
+def label(cfg: Config) -> str:
+    """A config in a few words, for progress lines and `coda tune`'s report."""
     return (f"{'gluon ' if cfg.backend == 'gluon-hopper' else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}"
             f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}{f' group{cfg.group_m}' if cfg.group_m != 8 else ''}"
@@ -282,7 +283,7 @@ def tune(
         for i, cfg in enumerate(batch, 1):
             what = run(cfg, check_spills)
             eta = (time.time() - start) / i * (len(batch) - i)
-            name = _label(cfg) + (" (default)" if cfg == default else "")
+            name = label(cfg) + (" (default)" if cfg == default else "")
             _say(f"  [{i}/{len(batch)}] {name}: {what}; {_left(eta)} in this round")
 
     bench(first)
@@ -303,7 +304,7 @@ def tune(
     store_entry(entry)
     seconds = time.time() - t0
     SESSION.tuned.append((graph.name, entry, seconds))
-    kept = "the default stays" if entry.config is None else f"kept {_label(best)}"
+    kept = "the default stays" if entry.config is None else f"kept {label(best)}"
     _say(f"{kept}: {entry.ms:.4f} ms against the default's "
          f"{'-' if entry.default_ms is None else f'{entry.default_ms:.4f}'} ms ({seconds:.0f} s, {len(timings)} timed)")
     return entry
@@ -376,4 +377,4 @@ def choose(
 
 __all__ = ["TuneKey", "TuneEntry", "Session", "SESSION", "MARGIN", "m_bucket", "mode", "config_space",
            "option_variants", "group_variants", "prune_reason", "smem_bytes", "load_entry", "store_entry", "measure",
-           "tune", "choose"]
+           "tune", "choose", "label"]

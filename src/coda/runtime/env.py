@@ -6,6 +6,8 @@
 * `CODA_AUTOTUNE`: `0` (the default: never tune), `1` or `force` (coda.runtime.autotune.mode).
 * `CODA_TUNE_QUIET`: a boolean (`0/1`, `true/false`, `yes/no`, `on/off`; empty is false).
 * `CODA_INTERPRET_PROGRAMS`: an integer >= 1, the persistent grid under the interpreter.
+* `CODA_COMPILE_LOG`: a file path; each launch plan's first launch appends a JSON line there
+  (coda.runtime.compile_log).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ with the same tensor metadata, so that a repeated call only binds tensors and la
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from ..codegen import Specialization, operand_args, output_args
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
+from . import compile_log
 from .config import GLUON_MAXNREG, Config, gluon_constexprs
 from .tma import gluon_layout
 from .validate import OPERAND_DTYPES, Call
@@ -116,7 +118,9 @@ class Plan:
     operands: list[tuple[str, str, bool, _Layout | None]]  # name, pointer argument, number?, TMA layout
     outs: list[_Out]
     grid: tuple[int]
+    config: Config
     direct: _Direct | None = None
+    launched: bool = False  # whether the first launch (compile or binary load: compile_log) happened
 
     @classmethod
     def build(cls, call: Call, spec: Specialization, kernel: object, cfg: Config, programs: int) -> "Plan":
@@ -172,7 +176,7 @@ class Plan:
                 outs.append(_Out(o, names, shape, torch.float32, partial=part))
         return cls(kernel=kernel, spec=spec, single=graph.outputs[0].name if graph.single else None, static=static,
                    layout_a=layout_a, layout_b=layout_b,
-                   operands=operands, outs=outs, grid=grid)
+                   operands=operands, outs=outs, grid=grid, config=cfg)
 
     def execute(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict) -> tuple[object, object]:
         """Bind this call's tensors, launch, finalize reductions; (results, compiled kernel)."""
@@ -207,7 +211,11 @@ class Plan:
         direct = self.direct
         if direct is not None and driver.active.get_current_device() == direct.device:
             return direct.launch(self.grid, args)
+        start = time.perf_counter()
         compiled = self.kernel[self.grid](**args)
+        if not self.launched:
+            self.launched = True
+            compile_log.record(self.kernel, self.spec.backend, self.config, time.perf_counter() - start)
         if direct is None:
             self.direct = _direct(self.kernel, compiled)
         return compiled

@@ -225,7 +225,8 @@ def table(data: dict) -> str:
     lines += ["", "| case | kernel | backend | config | cold (s) | warm (s) |", "|---|---|---|---|---:|---:|"]
     for c in sorted(data["compile"], key=lambda c: -c["compile_s"]):
         warm = "-" if c["warm_s"] is None else f"{c['warm_s']:.2f}"
-        lines.append(f"| {c['case']} | {c['kernel']} | {c['backend']} | {c['config']} | {c['compile_s']:.2f} | {warm} |")
+        lines.append(f"| {c['case']} | {c['kernel']} | {c['backend']} | {c['config']} | {c['compile_s']:.2f} "
+                     f"| {warm} |")
     return "\n".join(lines)
 
 

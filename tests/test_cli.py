@@ -109,7 +109,8 @@ def test_hf_config_from_a_file_with_overrides(tmp_path: Path, as_dir: bool) -> N
                              vocab_size=256, tie_word_embeddings=True).save_pretrained(tmp_path)
     path = tmp_path if as_dir else tmp_path / "config.json"
     shape = pretune.model_shape(pretune.hf_config(str(path), {"num_hidden_layers": 1}))
-    assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size, shape.tie_word_embeddings) == (64, 1, 256, True)
+    got = (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size, shape.tie_word_embeddings)
+    assert got == (64, 1, 256, True)
 
 
 def test_hf_config_from_a_broken_file(tmp_path: Path) -> None:

@@ -63,7 +63,8 @@ def hf_config(spec: str, overrides: dict[str, object]) -> object:
     else:
         cls = getattr(transformers, spec, None)
         if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
-            raise TuneError(f"--hf-config {spec!r} is neither a file nor a transformers config class (e.g. LlamaConfig)")
+            raise TuneError(f"--hf-config {spec!r} is neither a file nor a transformers config class "
+                            "(e.g. LlamaConfig)")
         base = cls()
     unknown = sorted(set(overrides) - set(base.to_dict()))
     if unknown:

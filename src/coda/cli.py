@@ -157,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("targets", nargs="*", help="'plain' or module:epilogue (a @coda.epilogue object)")
     t.add_argument("--shape", type=shape, action="append", default=[],
                    help="M,N,K (repeatable); b is an nn.Linear weight view")
-    t.add_argument("--dtype", choices=sorted(pretune.DTYPES), default="bf16")
+    t.add_argument("--dtype", choices=sorted(pretune.DTYPES), help="the epilogues' inputs (default bf16)")
     t.add_argument("--int", dest="ints", action="append", default=[], help="operand to fill with integer ids in [0, N)")
     t.add_argument("--hf-config", help="a transformers config.json (or its directory), or a config class name "
                                        "such as LlamaConfig: tune the coda model of that shape")
@@ -172,8 +172,9 @@ def parser() -> argparse.ArgumentParser:
 def _tune(args: argparse.Namespace) -> list[str]:
     """What `coda tune` was asked, checked (a TuneError says what is wrong), then done."""
     if args.hf_config is not None:
-        if args.targets or args.shape:
-            raise pretune.TuneError("--hf-config tunes a model: give no epilogues or --shape with it")
+        if args.targets or args.shape or args.dtype or args.ints:
+            raise pretune.TuneError("--hf-config tunes a model (bf16): give no epilogues, --shape, --dtype or --int "
+                                    "with it")
         if args.batch is None or args.seq is None:
             raise pretune.TuneError("--hf-config needs --batch and --seq (the training step's shape)")
         model = pretune.model_shape(pretune.hf_config(args.hf_config, dict(args.overrides)))
@@ -182,7 +183,7 @@ def _tune(args: argparse.Namespace) -> list[str]:
         raise pretune.TuneError("give epilogues and --shape M,N,K, or --hf-config with --batch and --seq")
     if args.overrides or args.batch is not None or args.seq is not None:
         raise pretune.TuneError("--set, --batch and --seq go with --hf-config")
-    return pretune.tune_epilogues(args.targets, args.shape, args.dtype, args.ints, args.force)
+    return pretune.tune_epilogues(args.targets, args.shape, args.dtype or "bf16", args.ints, args.force)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,10 @@ def test_page_lists_every_results_file_it_summarizes() -> None:
         assert f"From `bench/results/{s.file}`:" in page and f"* `bench/results/{s.file}`" in listed
         assert "```bash" in page.split(f"## {s.title}")[1].split("\n## ")[0]  # how to measure it again
     assert listed.count("* `bench/results/") == len(report.SECTIONS)
+    tools = page.split("## Investigation tools")[1].split("\n## ")[0]
+    for tool in report.TOOLS.iterdir():
+        if tool.suffix in (".py", ".sh"):
+            assert f"* `bench/tools/{tool.name}`: " in tools
 
 
 @pytest.fixture

@@ -147,7 +147,10 @@ def build(variant: str, family: Family, device: str, seed: int, tiny: bool, laye
         return hf
     if variant == "hf_liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
+        if hf.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # (Liger would log it and patch nothing)
+            raise ValueError(f"Liger-Kernel has no kernels for model_type {hf.config.model_type!r}")
         _apply_liger_kernel_to_instance(model=hf)
         return hf
     if variant not in ("coda", "coda_compile", "coda_patch"):

@@ -11,8 +11,11 @@ Variants, each in its own process (patching libraries change classes globally):
   coda          coda's model of the same weights (coda.models.from_hf)
   coda_compile  torch.compile(fullgraph=True) of it
   coda_patch    coda.patch on the transformers model
-A coda variant for a family coda does not support (from_hf raises ValueError, coda.patch TypeError)
-is a row marked skipped, with the error's text; a variant that fails otherwise is a note.
+Before it is timed, each variant's logits on the first sequence are checked against transformers'
+on the same weights (coda_compile's before it is compiled); the relative error is in its row, and
+over CHECK_TOLERANCE the variant fails. A coda variant for a family coda does not support (from_hf
+raises ValueError, coda.patch TypeError) is a row marked skipped, with the error's text; a variant
+that fails otherwise is a note.
 Step: forward, backward, fused AdamW, bf16 parameters, synthetic tokens (labels = inputs). With
 --packed each row holds documents of seq/8 to seq/2 tokens (512-2048 at 4096): position_ids restart
 at 0 per document and the first token of each document is not a target. Per variant: warm-up steps,
@@ -43,6 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VARIANTS = ("hf_eager", "hf_liger", "coda", "coda_compile", "coda_patch")
+# A variant's logits against transformers' on the same weights and sequence, relative error: bf16 noise
+# was ~0.004 at --tiny; coda's Llama model reading a Qwen3 checkpoint (no QK-norm) was 0.32 off.
+CHECK_TOLERANCE = 0.05
 GEMM_KERNELS = ("gemm", "coda_", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mm_", "sm90_", "wgmma")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa")
 
@@ -138,11 +144,11 @@ def coda_from_hf(hf):
     return from_hf(hf)
 
 
-def build(variant: str, family: Family, device: str, seed: int, tiny: bool, layers: int):
-    import coda  # (before anything imports Triton: it picks the interpreter without a GPU)
-    import torch
+def build(variant: str, hf):
+    """The variant's model from the transformers model `hf` (patched in place, or converted), not yet
+    compiled: what the logits check runs."""
+    import coda
 
-    hf = hf_model(family, device, seed, tiny, layers)
     if variant == "hf_eager":
         return hf
     if variant == "hf_liger":
@@ -156,12 +162,19 @@ def build(variant: str, family: Family, device: str, seed: int, tiny: bool, laye
     if variant not in ("coda", "coda_compile", "coda_patch"):
         raise ValueError(f"unknown variant {variant!r}")
     try:
-        model = coda.patch(hf) if variant == "coda_patch" else coda_from_hf(hf)
+        return coda.patch(hf) if variant == "coda_patch" else coda_from_hf(hf)
     except (ValueError, TypeError) as exc:
         raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
-    if variant == "coda_compile":  # the CPU smoke run checks the wiring only
-        return torch.compile(model, fullgraph=True, backend="eager" if device == "cpu" else "inductor")
-    return model
+
+
+def logits_error(model, reference, inputs: dict) -> float:
+    """The relative error of the model's logits against transformers' (`reference`, the same weights
+    and inputs): each variant is checked before it is timed."""
+    import torch
+
+    with torch.no_grad():
+        out = model(**inputs).logits
+    return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
 def batches(vocab: int, batch: int, seq: int, packed: bool, device: str, count: int = 4) -> list[dict]:
@@ -193,6 +206,7 @@ def batches(vocab: int, batch: int, seq: int, packed: bool, device: str, count: 
 
 
 def run_variant(args) -> dict:
+    import coda  # noqa: F401  (before anything imports Triton: it picks the interpreter without a GPU)
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
@@ -200,16 +214,27 @@ def run_variant(args) -> dict:
     batch, seq = (int(v) for v in args.shape.split("x"))
     family = MODELS[args.model]
     row = {"model": args.model, "seq": seq, "batch": batch, "packed": args.packed, "variant": args.variant}
+    shape = dict(family.config, **(family.tiny if args.tiny else {}))
+    data = batches(shape["vocab_size"], batch, seq, args.packed, device)
     t0 = time.time()
+    hf = hf_model(family, device, args.seed, args.tiny, args.layers)
+    check = {k: v[:1] for k, v in data[0].items() if k != "labels"}  # the first sequence, logits returned
+    with torch.no_grad():
+        reference = hf(**check).logits
     try:
-        model = build(args.variant, family, device, args.seed, args.tiny, args.layers)
+        model = build(args.variant, hf)
     except Unsupported as exc:
         return {**row, "skipped": str(exc)[:500]}
-    row["layers"] = args.layers or dict(family.config, **(family.tiny if args.tiny else {}))["num_hidden_layers"]
+    del hf  # (a converted model holds its own weights: the peak below counts the model trained only)
+    row["logits_rel_err"] = logits_error(model, reference, check)
+    del reference
+    if not row["logits_rel_err"] < CHECK_TOLERANCE:
+        raise AssertionError(f"logits off transformers' by {row['logits_rel_err']:.3g} (relative), over {CHECK_TOLERANCE}")
+    if args.variant == "coda_compile":  # the CPU smoke run checks the wiring only
+        model = torch.compile(model, fullgraph=True, backend="eager" if device == "cpu" else "inductor")
+    row["layers"] = args.layers or shape["num_hidden_layers"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
-    vocab = dict(family.config, **(family.tiny if args.tiny else {}))["vocab_size"]
-    data = batches(vocab, batch, seq, args.packed, device)
 
     def step(i: int):
         loss = model(**data[i % len(data)]).loss
@@ -337,24 +362,25 @@ def meta(args) -> dict:
 # -- results ---------------------------------------------------------------------------------------
 
 def table(rows: list[dict]) -> str:
-    """One line a row: time, throughput, memory, the kernel-time split, and tokens/s against the
-    transformers variants of the same model and shape; a skipped row says so."""
+    """One line a row: time, throughput, memory, the kernel-time split, tokens/s against the
+    transformers variants of the same model and shape, and the logits check; a skipped row says so."""
     peers = ("hf_eager", "hf_liger")
     lines = ["| model | batch x seq | packed | variant | ms | tokens/s | peak GiB | GEMMs | attention | everything else | "
-             + " | ".join(f"vs {p}" for p in peers) + " |", "|" + "---|" * (10 + len(peers))]
+             + " | ".join(f"vs {p}" for p in peers) + " | logits vs transformers |", "|" + "---|" * (11 + len(peers))]
     base = {key(r): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
     for r in rows:
         model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
         head = [model, f"{r['batch']} x {r['seq']}", "yes" if r.get("packed") else "no", r["variant"]]
         if "skipped" in r:
-            lines.append("| " + " | ".join(head + ["skipped"] + ["-"] * (5 + len(peers))) + " |")
+            lines.append("| " + " | ".join(head + ["skipped"] + ["-"] * (6 + len(peers))) + " |")
             continue
         b = r.get("breakdown_ms") or {}
         ratios = [base.get(key({**r, "variant": p})) for p in peers]
         cells = [f"{r['step_ms']:.1f}", f"{r['tokens_per_s'] / 1e3:.1f}k",
                  "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}",
                  *(f"{b[k]:.1f}" if k in b else "-" for k in ("gemms", "attention", "other")),
-                 *(f"{r['tokens_per_s'] / p:.2f}" if p else "-" for p in ratios)]
+                 *(f"{r['tokens_per_s'] / p:.2f}" if p else "-" for p in ratios),
+                 "-" if r.get("logits_rel_err") is None else f"{r['logits_rel_err']:.1e}"]
         lines.append("| " + " | ".join(head + cells) + " |")
     return "\n".join(lines)
 

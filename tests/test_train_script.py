@@ -48,6 +48,8 @@ def test_tiny_run_writes_rows_skips_and_notes_and_merges(tmp_path: Path) -> None
                          ("gemma3-1b", "coda_patch")}
     for r in (rows["llama3.2-1b", "coda"], rows["gemma3-1b", "hf_eager"]):
         assert ROW_KEYS <= set(r) and (r["batch"], r["seq"]) == (2, 8) and r["tokens_per_s"] > 0
+    assert 0 < rows["llama3.2-1b", "coda"]["logits_rel_err"] < train.CHECK_TOLERANCE  # checked before timed
+    assert rows["gemma3-1b", "hf_eager"]["logits_rel_err"] == 0
     assert rows["llama3.2-1b", "coda"]["packed"] is True and rows["gemma3-1b", "hf_eager"]["packed"] is False
     assert timed_or_refused(rows["qwen3-1.7b", "coda"], "qwen3")
     assert timed_or_refused(rows["gemma3-1b", "coda_patch"], "gemma3_text")
@@ -75,6 +77,24 @@ def test_packed_batches_restart_positions_per_document() -> None:
         assert [i for i, t in enumerate(labels) if t == -100] == starts[1:]
     (plain,) = train.batches(vocab=100, batch=3, seq=256, packed=False, device="cpu", count=1)
     assert set(plain) == {"input_ids", "labels"} and (plain["labels"] == plain["input_ids"]).all()
+
+
+def test_logits_check_measures_the_distance_to_transformers() -> None:
+    """The check each variant passes before it is timed: its logits' relative error against
+    transformers' on the same inputs (here a model 10% off everywhere)."""
+    import types
+
+    import torch
+
+    reference = torch.randn(1, 8, 32)
+    seen = {}
+
+    def off(**inputs):
+        seen.update(inputs)
+        return types.SimpleNamespace(logits=reference * 1.1)
+
+    assert train.logits_error(off, reference, {"input_ids": torch.ones(1, 8)}) == pytest.approx(0.1, rel=1e-5)
+    assert set(seen) == {"input_ids"}
 
 
 def test_kernel_categories() -> None:

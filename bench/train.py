@@ -63,6 +63,11 @@ class Family:
     config: dict
     tiny: dict
 
+    def shape(self, tiny: bool, layers: int) -> dict:
+        """The config's fields: the published ones, or --tiny's; `layers` (when set) layers."""
+        shape = dict(self.config, **(self.tiny if tiny else {}))
+        return {**shape, "num_hidden_layers": layers} if layers else shape
+
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=128)
@@ -114,10 +119,7 @@ def hf_model(family: Family, device: str, seed: int, tiny: bool, layers: int):
     import transformers
 
     torch.manual_seed(seed)
-    shape = dict(family.config, **(family.tiny if tiny else {}))
-    if layers:
-        shape["num_hidden_layers"] = layers
-    cfg = getattr(transformers, family.config_class)(**shape)
+    cfg = getattr(transformers, family.config_class)(**family.shape(tiny, layers))
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         hf = getattr(transformers, family.model_class)(cfg)
@@ -214,7 +216,7 @@ def run_variant(args) -> dict:
     batch, seq = (int(v) for v in args.shape.split("x"))
     family = MODELS[args.model]
     row = {"model": args.model, "seq": seq, "batch": batch, "packed": args.packed, "variant": args.variant}
-    shape = dict(family.config, **(family.tiny if args.tiny else {}))
+    shape = family.shape(args.tiny, args.layers)
     data = batches(shape["vocab_size"], batch, seq, args.packed, device)
     t0 = time.time()
     hf = hf_model(family, device, args.seed, args.tiny, args.layers)
@@ -232,7 +234,7 @@ def run_variant(args) -> dict:
         raise AssertionError(f"logits off transformers' by {row['logits_rel_err']:.3g} (relative), over {CHECK_TOLERANCE}")
     if args.variant == "coda_compile":  # the CPU smoke run checks the wiring only
         model = torch.compile(model, fullgraph=True, backend="eager" if device == "cpu" else "inductor")
-    row["layers"] = args.layers or shape["num_hidden_layers"]
+    row["layers"] = shape["num_hidden_layers"]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, fused=cuda)
 

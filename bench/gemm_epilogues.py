@@ -22,6 +22,7 @@ epilogue fused in). compile = the faster of the compile_* rows.
 """
 
 import argparse
+import importlib.metadata
 import json
 import math
 import platform
@@ -341,8 +342,8 @@ def main() -> None:
     t0 = time.time()
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "coda": coda.__version__, "python": platform.python_version(),
-        "liger": "0.8.5" if lg else None,
+        "coda": coda.__version__, "python": platform.python_version(), "commit": harness.commit(),
+        "liger": importlib.metadata.version("liger-kernel") if lg else None,
         "protocol": ("triton.testing.do_bench median (warmup 50 ms, rep 200 ms), one process per part; bf16 random "
                      "inputs; every variant checked against an fp32 reference before timing; working sets exceed L2. "
                      "compile = faster of torch.compile default and max-autotune-no-cudagraphs (max-autotune only at "

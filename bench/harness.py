@@ -1,4 +1,4 @@
-"""What every GPU benchmark script here shares: check-then-time rows (the benchmark protocol in docs/DESIGN.md)."""
+"""What every GPU benchmark script here shares: check-then-time rows (the protocol: docs/PERFORMANCE.md)."""
 
 import json
 import os

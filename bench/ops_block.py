@@ -331,7 +331,7 @@ def main() -> None:
     torch.manual_seed(0)
     ops = args.ops.split(",")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "coda": coda.__version__, "python": platform.python_version(),
+            "coda": coda.__version__, "python": platform.python_version(), "commit": harness.commit(),
             "protocol": "do_bench median; bf16; outputs and gradients checked against fp32 before timing; "
                         "gemms = sum of the op's bare cuBLAS GEMMs (speed of light), each on random inputs, one scaled "
                         "by K^-0.5 like the ops' weights; compile = torch.compile default."}

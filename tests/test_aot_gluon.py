@@ -430,14 +430,14 @@ def test_eturn_handoff_subtile() -> None:
 
 
 def test_gluon_clusters_do_not_multicast_tma_loads_on_sm90(tmp_path: Path) -> None:
-    """What bench/probe_multicast.py finds in triton 3.6: a 2-CTA cluster launch compiles, but a TMA
+    """What bench/tools/probe_multicast.py finds in triton 3.6: a 2-CTA cluster launch compiles, but a TMA
     load into a tile both CTAs hold stays one plain load per CTA, not `.multicast::cluster`. So
     gluon-hopper cannot share an operand load across a CTA pair as cuBLAS's clustered kernels do.
     If this fails after a Triton upgrade, multicast may have become reachable: revisit
     docs/DESIGN.md, "Where the gluon-hopper work stands", item 2."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, str(root / "bench" / "probe_multicast.py")], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(root / "bench" / "tools" / "probe_multicast.py")], env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     facts = json.loads(proc.stdout)

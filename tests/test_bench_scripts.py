@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path[:0] = [str(BENCH), str(BENCH / "tools")]  # the scripts, and the investigation tools
 harness = pytest.importorskip("harness")
 
 from conftest import DEVICE, GPU, assert_close  # noqa: E402
@@ -30,12 +31,17 @@ def cpu_harness(monkeypatch: pytest.MonkeyPatch):
     harness.NOTES.clear()
 
 
-def merged_markdown(script, data: dict, tmp_path: Path) -> str:
-    """The markdown a bench script's `--merge` writes (in a fresh process, as it is run) from `data`."""
-    (tmp_path / "in.json").write_text(json.dumps(data))
-    subprocess.run([sys.executable, script.__file__, "--merge", str(tmp_path / "in.json"), "--out",
-                    str(tmp_path / "res")], check=True, capture_output=True)
-    return (tmp_path / "res" / f"{Path(script.__file__).stem}.md").read_text()
+def test_bench_holds_the_user_facing_scripts_and_gpu_session_names_existing_ones() -> None:
+    """bench/'s top level is the user-facing benchmarks, their harness, gpu_session.sh and the results
+    page (at most 8 scripts; investigation tools live in bench/tools/), and every script the GPU session
+    runs exists."""
+    import re
+
+    scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) <= 8, scripts
+    named = set(re.findall(r"bench/[\w/]+\.(?:py|sh)", (BENCH / "gpu_session.sh").read_text()))
+    assert {"bench/train.py", "bench/block_kernels.py", "bench/tools/profile_ops.py"} <= named
+    assert [n for n in named if not (BENCH.parent / n).exists()] == []
 
 
 def test_gemm_epilogues_script(cpu_harness) -> None:
@@ -180,26 +186,8 @@ def test_block_only_keeps_notes_made_after_its_last_row(cpu_harness, tmp_path, m
                      "notes": ["block D=4096 compile_max-autotune-no-cudagraphs: not run"]}
 
 
-def test_plain_rounds_covers_both_sides_of_the_rule_and_merges(tmp_path) -> None:
-    """bench/plain_rounds.py's shapes put the rule on both sides (its first shape ping-pong, the
-    rest cooperative), and --merge writes its table from a measured JSON on any machine."""
-    import plain_rounds
-    from coda.runtime.config import cooperative_rounds_lose
-
-    picks = [cooperative_rounds_lose(m, n) for m, n, _ in plain_rounds.SHAPES]
-    assert picks[0] and not any(picks[1:])
-    base = {"shape": [3072, 2048, 8192], "a": "col", "rule_picks": "ping-pong", "default_cooperative": False}
-    rows = [{**base, "variant": "cuBLAS", "ms": 0.2}, {**base, "variant": "default", "ms": 0.21, "err": 1e-3},
-            {**base, "variant": "cooperative", "ms": 0.25, "err": 1e-3}]
-    data = {"meta": {"gpu": "g", "torch": "t", "triton": "3.6.0", "commit": "c", "protocol": "p"}, "rows": rows,
-            "notes": ["[3072, 2048, 8192] a col ping-pong: RuntimeError: x"]}
-    md = merged_markdown(plain_rounds, data, tmp_path)
-    assert "| [3072, 2048, 8192] | col | ping-pong | 0.2000 | 0.2100 (1.050) | 0.2500 (1.250) | - |" in md
-    assert "* [3072, 2048, 8192] a col ping-pong: RuntimeError: x" in md
-
-
 def test_rowwise_script(cpu_harness) -> None:
-    """bench/rowwise_bandwidth.py at tiny shapes: every row pass passes its PyTorch check (the cross-entropy
+    """bench/tools/rowwise_bandwidth.py at tiny shapes: every row pass passes its PyTorch check (the cross-entropy
     pass at the first width only) and gets its bandwidth ratio to torch.add."""
     import rowwise_bandwidth as bench_rowwise
     from coda.ops import rowwise
@@ -219,24 +207,8 @@ def test_rowwise_script(cpu_harness) -> None:
     assert bench_rowwise.sweep_table(swept).count("\n| 32 | ") == 3
 
 
-def test_graph_vs_stream_merges_its_table(tmp_path: Path) -> None:
-    """bench/graph_vs_stream.py --merge (its measuring needs CUDA's profiler): the per-width line with
-    the three timed steps and kernel sums, and one row a kernel with graph minus launched."""
-    import graph_vs_stream
-
-    width = {"D": 2048, "err": 1e-3, "timed_ms": 4.9, "graph_timed_ms": 4.8, "sol_timed_ms": 4.6,
-             "stream_kernels_ms": 4.2, "graph_kernels_ms": 4.4, "sol_kernels_ms": 4.1,
-             "rows": [{"kernel": "coda_rms_swiglu", "stream_ms": 0.765, "graph_ms": 0.778}]}
-    data = {"meta": {"gpu": "g", "torch": "t", "triton": "3.6.0", "commit": "c", "protocol": "p"}, "widths": [width],
-            "notes": ["a note"]}
-    md = merged_markdown(graph_vs_stream, data, tmp_path)
-    assert "D=2048: timed 4.900 ms launched, 4.800 ms as a graph, 4.600 ms the SoL graph" in md
-    assert "| coda_rms_swiglu | 0.7650 | 0.7780 | +0.0130 |" in md
-    assert "* a note" in md
-
-
 def test_import_time_script_sees_no_inductor_import_as_an_old_torch() -> None:
-    """bench/import_time.py times `import coda` in a fresh process as torch 2.11 (which needs the
+    """bench/tools/import_time.py times `import coda` in a fresh process as torch 2.11 (which needs the
     explicit Inductor fallbacks) and reports that the import left Inductor's lowering unloaded."""
     import import_time
 
@@ -245,7 +217,7 @@ def test_import_time_script_sees_no_inductor_import_as_an_old_torch() -> None:
 
 
 def test_ncu_summary_reads_stall_reasons_and_hot_instructions() -> None:
-    """bench/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
+    """bench/tools/ncu_summary.py on pages shaped like ncu's CSV exports (thousands separators, a units
     row, not-issued twins of each stall metric, columns found by name)."""
     import ncu_summary
 
@@ -276,7 +248,7 @@ def _gluon_source(name: str, **operand_dtypes: str) -> str:
 
 
 def test_timeline_instruments_the_generated_gluon_source() -> None:
-    """bench/timeline.py's text patch: five clock marks and the operand-wait sum in the consumer,
+    """bench/tools/timeline.py's text patch: five clock marks and the operand-wait sum in the consumer,
     the buffer threaded through; a template it does not recognize is an error, not a silent no-op."""
     import ast
 
@@ -316,24 +288,22 @@ def test_timeline_instruments_the_generated_gluon_source() -> None:
 @pytest.mark.skipif(GPU, reason="the CPU tier's check (the GPU tier runs the script itself)")
 @pytest.mark.parametrize("variant", ["as_generated", "late_eturn", "exact_sigmoid"])
 def test_timeline_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:
-    """The instrumented kernels compile for sm_90 under both schedules (bench/timeline.py --aot)."""
+    """The instrumented kernels compile for sm_90 under both schedules (bench/tools/timeline.py --aot)."""
     import os
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root / 'bench'}"}
+           "PYTHONPATH": str(BENCH.parent / "src")}
     env.pop("CODA_BACKEND", None)
-    run = subprocess.run([sys.executable, str(root / "bench" / "timeline.py"), "--aot", "--variant", variant], env=env,
+    run = subprocess.run([sys.executable, str(BENCH / "tools" / "timeline.py"), "--aot", "--variant", variant], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("clock reads in the PTX") == 3
 
 
-def test_timeline_and_host_step_tables(tmp_path: Path) -> None:
+def test_timeline_table(tmp_path: Path) -> None:
     import json
 
-    import host_step
     import timeline
 
     row = {"case": "plain_d", "D": 64, "label": "default", "gemm": [64, 64, 64], "tiles_per_consumer": 2.0,
@@ -347,15 +317,10 @@ def test_timeline_and_host_step_tables(tmp_path: Path) -> None:
     schedule = "cooperative 128x256, 3 stages, subtile 8, e2 b1"
     assert f"| plain_d | [64, 64, 64] | default ({schedule}) | 2.0 | 100 | - | 10 |" in md
     assert "a note" in md
-    data = {"meta": {"gpu": "G", "torch": "T", "commit": "C"},
-            "rows": [{"D": 64, "variant": "coda_native", "timed_ms": 2.0, "graph_ms": None, "host_ms": 0.5}]}
-    (tmp_path / "host_step_d64.json").write_text(json.dumps(data))
-    host_step.merge(tmp_path / "host_step_d64.json", tmp_path / "out")
-    assert "| 64 | coda_native | 2.000 | - | 0.500 |" in (tmp_path / "out" / "host_step_d64.md").read_text()
 
 
 def test_timeline_summary_of_clock_records() -> None:
-    """bench/timeline.py's averages over [program][consumer][tile][point] clock records: unwritten
+    """bench/tools/timeline.py's averages over [program][consumer][tile][point] clock records: unwritten
     tiles (zeros) and programs that ran nothing are left out."""
     import timeline
 
@@ -368,7 +333,7 @@ def test_timeline_summary_of_clock_records() -> None:
 
 
 def test_epilogue_cost_cases(cpu_harness) -> None:
-    """Every bench/epilogue_cost.py case passes its fp32 check (tiny shapes, the Triton config)."""
+    """Every bench/tools/epilogue_cost.py case passes its fp32 check (tiny shapes, the Triton config)."""
     import epilogue_cost
 
     rows = epilogue_cost.measure(48, 32, 48, epilogue_cost.CASES, ["triton"])

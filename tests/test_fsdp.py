@@ -14,7 +14,7 @@ weights after the two steps must be bit-identical:
   restricted to it.
 With MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the reference does the same in a bf16
 copy of its fp32 weights and accumulates the per-batch gradients in fp32, as FSDP2 does.
-Last, bench/train_fsdp.py --tiny under torchrun (2 ranks), whose own reference must agree exactly too.
+Last, bench/tools/train_fsdp.py --tiny under torchrun (2 ranks), whose own reference must agree exactly too.
 """
 
 from __future__ import annotations
@@ -184,13 +184,13 @@ def test_two_ranks_bf16_params_fp32_reduce_equal_reference(tmp_path: Path) -> No
 
 
 def test_train_fsdp_script_tiny_two_ranks_with_reference(tmp_path: Path) -> None:
-    """bench/train_fsdp.py --tiny under torchrun (2 gloo ranks, bf16 params, checkpointing): its
+    """bench/tools/train_fsdp.py --tiny under torchrun (2 gloo ranks, bf16 params, checkpointing): its
     progress lines and files, and its unsharded reference's losses equal to the sharded run's (the
     reference emulates FSDP2's mixed precision and averaging as above, so on the CPU exactly)."""
     root = Path(__file__).resolve().parents[1]
     env = _child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(root / "bench" / "train_fsdp.py"), "--tiny", "--steps", "1", "--warmup", "1", "--checkpoint",
+           str(root / "bench" / "tools" / "train_fsdp.py"), "--tiny", "--steps", "1", "--warmup", "1", "--checkpoint",
            "--reference", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

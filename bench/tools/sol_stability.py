@@ -8,7 +8,7 @@ alone, and coda's block step (native weights), each followed by the GPU's SM clo
 temperature (nvidia-smi). (Its first run showed the SoL graph reading freed inputs: fixed in
 harness.graphed at f0e466d.)
 
-    python bench/sol_stability.py --out DIR [--d 2048,4096] [--rounds 3]
+    python bench/tools/sol_stability.py --out DIR [--d 2048,4096] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 import torch
 

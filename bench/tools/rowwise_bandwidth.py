@@ -10,15 +10,18 @@ x = (kernel's bytes / kernel's time) / (add's bytes / add's time); 1.0 is as fas
 With --sweep, also `rms_backward` under every tiling of TILINGS (rows per step, programs per SM,
 warps, pipeline stages) at each width, against the same yardstick: where its default comes from.
 
-    python bench/rowwise_bandwidth.py --out DIR [--sweep]
-    python bench/rowwise_bandwidth.py --merge DIR/rowwise.json --out bench/results/rowwise
+    python bench/tools/rowwise_bandwidth.py --out DIR [--sweep]
+    python bench/tools/rowwise_bandwidth.py --merge DIR/rowwise.json --out bench/results/rowwise
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 import torch
 import torch.nn.functional as F

@@ -6,7 +6,7 @@ sm_90 with two CTAs per cluster, a kernel whose TMA destination's shared layout 
 in both CTAs (a broadcast CGA basis) and reports what the PTX does: whether the launch asks for
 a cluster, and whether the `cp.async.bulk.tensor` load is `.multicast::cluster`.
 
-    TRITON_INTERPRET=0 python bench/probe_multicast.py
+    TRITON_INTERPRET=0 python bench/tools/probe_multicast.py
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ depth), next to the bare cuBLAS GEMM and coda's own plain GEMM of the same shape
 SwiGLU backward, two halves of its epilogue (its loads alone, its stores alone) to tell which
 one costs. Every kernel is checked against its fp32 reference before it is timed.
 
-    python bench/epilogue_cost.py --out DIR
-    python bench/epilogue_cost.py --out DIR --cases residual_norm_stats --configs "sub4 e2 b1" --ks 64,2048,8192
-    python bench/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results/epilogue_cost --name NAME
+    python bench/tools/epilogue_cost.py --out DIR
+    python bench/tools/epilogue_cost.py --out DIR --cases residual_norm_stats --configs "sub4 e2 b1" --ks 64,2048,8192
+    python bench/tools/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results/epilogue_cost --name NAME
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 import torch
 
@@ -150,7 +152,7 @@ def _config(label: str) -> coda.Config:
 
 def launch_once(name: str, m: int, d: int, f: int, k: int | None, label: str) -> None:
     """For a profiler: check one case under one config against fp32, then launch it twice more
-    (bench/ncu_epilogue.sh profiles the third launch)."""
+    (bench/tools/ncu_epilogue.sh profiles the third launch)."""
     ep, a, b, ops = _case(name, m, d, f, k)
     graph = launch.PLAIN if ep is None else ep.graph
     cfg = _config(label)

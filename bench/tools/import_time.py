@@ -3,7 +3,7 @@
 decide whether it must register explicit Inductor fallbacks; see coda/runtime/inductor.py), and
 whether that import loaded Inductor's lowering module. Runs anywhere.
 
-    python bench/import_time.py [--as-torch 2.11.0] [--runs 3]
+    python bench/tools/import_time.py [--as-torch 2.11.0] [--runs 3]
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 # hardware counters there with --clock-control none). Profiles one launch of one epilogue_cost case
 # per config (after 2 warm-up launches): warp stall reasons, issue and instruction statistics,
 # and per-instruction stall sampling, each as a .ncu-rep and CSVs under $OUT; prints each stall
-# reason's share and the SASS instructions with the most stall samples (bench/ncu_summary.py).
-#   bash bench/ncu_epilogue.sh [CASE] [K] [CONFIG ...]
-#   e.g. bash bench/ncu_epilogue.sh swiglu_backward_zdz 64 "sub4 e2 b1" "sub4 loop" triton
+# reason's share and the SASS instructions with the most stall samples (bench/tools/ncu_summary.py).
+#   bash bench/tools/ncu_epilogue.sh [CASE] [K] [CONFIG ...]
+#   e.g. bash bench/tools/ncu_epilogue.sh swiglu_backward_zdz 64 "sub4 e2 b1" "sub4 loop" triton
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/coda-out}
 mkdir -p "$OUT"
 case_name=${1:-swiglu_backward_zdz}
@@ -26,11 +26,11 @@ for cfg in "${configs[@]}"; do
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
       --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section SourceCounters \
-      -o "$OUT/$tag" -f python3 bench/epilogue_cost.py --launch "$case_name" --k "$k" --config "$cfg" \
+      -o "$OUT/$tag" -f python3 bench/tools/epilogue_cost.py --launch "$case_name" --k "$k" --config "$cfg" \
       > "$OUT/$tag.log" 2>&1
   ncu --import "$OUT/$tag.ncu-rep" --csv --page details > "$OUT/$tag.csv" 2>>"$OUT/$tag.log"
   ncu --import "$OUT/$tag.ncu-rep" --csv --page raw > "$OUT/$tag.raw.csv" 2>>"$OUT/$tag.log"
   ncu --import "$OUT/$tag.ncu-rep" --csv --page source --print-source sass > "$OUT/$tag.sass.csv" 2>>"$OUT/$tag.log"
   echo "== $tag"; grep -iE "issued|executed ipc|duration" "$OUT/$tag.csv" | head -12
-  python3 bench/ncu_summary.py "$OUT/$tag.raw.csv" "$OUT/$tag.sass.csv"
+  python3 bench/tools/ncu_summary.py "$OUT/$tag.raw.csv" "$OUT/$tag.sass.csv"
 done

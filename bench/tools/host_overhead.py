@@ -6,7 +6,7 @@ whether the GPU waits for Python. The kernel launch is replaced by a no-op after
 built, so it runs anywhere (through the interpreter for the first, real call on a CPU);
 Triton's own launch overhead comes on top on a GPU.
 
-    python bench/host_overhead.py [--calls 2000]
+    python bench/tools/host_overhead.py [--calls 2000]
 """
 
 import argparse

@@ -1,10 +1,10 @@
-"""Summarize an Nsight Compute report's raw and source pages (bench/ncu_epilogue.sh): each warp
+"""Summarize an Nsight Compute report's raw and source pages (bench/tools/ncu_epilogue.sh): each warp
 stall reason's share of the sampled stalls, the SASS instructions with the most samples, and
 the samples by opcode, where a predicated branch right after an mbarrier try-wait counts as
 the wait on that barrier (the spin loop a warp sits in while it waits; in a gluon-hopper kernel
 the barrier's shared-memory offset tells which one: the rings' ready/empty, turn, eturn).
 
-    python3 bench/ncu_summary.py RAW_CSV [SOURCE_CSV]
+    python3 bench/tools/ncu_summary.py RAW_CSV [SOURCE_CSV]
 
 RAW_CSV is `ncu --import R --page raw --csv`: a header row of metric names, a row of units, then
 one row per profiled kernel. SOURCE_CSV is `ncu --import R --page source --csv --print-source sass`:

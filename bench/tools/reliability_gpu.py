@@ -9,7 +9,7 @@ target check costs, and coda's plan / kernel / tuning caches under threads.
   against its fp32 reference; then 8 threads on 2 programs of one shape with CODA_AUTOTUNE=1
   (tuning under threads: each entry tuned once, the other threads wait for it).
 
-    python bench/reliability_gpu.py --out DIR
+    python bench/tools/reliability_gpu.py --out DIR
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 import torch
 

@@ -1,9 +1,9 @@
 """coda.models.LlamaForCausalLM trained under FSDP2 (issue 13): per-step loss, tokens/s per GPU, peak memory.
 
-    torchrun --standalone --nproc_per_node=8 bench/train_fsdp.py --model 8b --shape 2x4096 --out DIR
-    torchrun --standalone --nproc_per_node=2 bench/train_fsdp.py --model 1b --steps 20 --reference --out DIR
-    torchrun --standalone --nproc_per_node=2 bench/train_fsdp.py --tiny --out DIR     # CPU, gloo
-    python bench/train_fsdp.py --tiny --out DIR                                      # one process, world 1
+    torchrun --standalone --nproc_per_node=8 bench/tools/train_fsdp.py --model 8b --shape 2x4096 --out DIR
+    torchrun --standalone --nproc_per_node=2 bench/tools/train_fsdp.py --model 1b --steps 20 --reference --out DIR
+    torchrun --standalone --nproc_per_node=2 bench/tools/train_fsdp.py --tiny --out DIR     # CPU, gloo
+    python bench/tools/train_fsdp.py --tiny --out DIR                                      # one process, world 1
 
 The model is built from a config (random init from --seed, the same on every rank, fp32), then
 `fully_shard` is applied to every LlamaLayer and to the model with MixedPrecisionPolicy(param_dtype
@@ -36,8 +36,11 @@ import platform
 import resource
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 # Llama-3.2-1B and Llama-3-8B shapes (coda LlamaConfig fields), and a tiny one for the CPU.
 MODELS = {

@@ -7,8 +7,8 @@ iteration. coda's GEMM kernels are named `coda_<epilogue>`. Then, per op, the ho
 enqueue a step beside its wall time (does the GPU wait for Python?), and the LM-head GEMM at
 each row-group size (GROUP_M) beside cuBLAS.
 
-    python bench/profile_ops.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
-    python bench/profile_ops.py --merge DIR/profile_ops.json --out bench/results   # markdown
+    python bench/tools/profile_ops.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
+    python bench/tools/profile_ops.py --merge DIR/profile_ops.json --out bench/results   # markdown
 """
 
 import argparse
@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +189,7 @@ def markdown(result: dict, note: str | None) -> str:
     """Per op and variant: total kernel time and the kernels over 1% of it."""
     lines = ["# profile_ops", "", "Device time per forward+backward, kernel by kernel (torch.profiler, mean of "
              f"{ITERS} iterations after a warm-up), D=2048, FFN=8192, M=8192, V=128256. Produced by "
-             "`bench/profile_ops.py`.", ""]
+             "`bench/tools/profile_ops.py`.", ""]
     if note:
         lines += [note, ""]
     for key, rows in result.items():

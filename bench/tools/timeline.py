@@ -12,10 +12,10 @@ averaged over tiles and SMs, the K loop (t2 - t1), the epilogue (t4 - t3), the w
 either turn (t1 - t0, t3 - t2), and the cycles between a consumer's successive tiles, so a
 fused GEMM can be read against the plain GEMM of its shape: which part grew, by how much.
 
-    python bench/timeline.py --out DIR [--cases residual_norm_stats,plain_d] [--d 2048]
-    python bench/timeline.py --out DIR --variant late_eturn   # the same kernels, one change undone
-    python bench/timeline.py --aot    # CPU: the instrumented kernels compile for sm_90
-    python bench/timeline.py --merge A.json B.json --out bench/results/timeline --note "..."
+    python bench/tools/timeline.py --out DIR [--cases residual_norm_stats,plain_d] [--d 2048]
+    python bench/tools/timeline.py --out DIR --variant late_eturn   # the same kernels, one change undone
+    python bench/tools/timeline.py --aot    # CPU: the instrumented kernels compile for sm_90
+    python bench/tools/timeline.py --merge A.json B.json --out bench/results/timeline --note "..."
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ import json
 import os
 import re
 import statistics
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness
 
 POINTS = ("t0", "t1", "t2", "t3", "t4", "ready_wait")
 F = len(POINTS)
@@ -218,7 +221,7 @@ def merge(paths: list[Path], out: Path, d: int, note: str | None) -> None:
     rows = [r for p in paths for r in json.loads(p.read_text())]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"timeline_d{d}.json").write_text(json.dumps(rows, indent=1))
-    md = ["# timeline", "", "Per consumer tile of gluon-hopper GEMMs (bench/timeline.py): SM cycles (%clock64) "
+    md = ["# timeline", "", "Per consumer tile of gluon-hopper GEMMs (bench/tools/timeline.py): SM cycles (%clock64) "
           "averaged over every tile of every SM; k_loop = t2 - t1, ready_wait = the K loop's waits on its "
           "operands (inside k_loop; the previous MMA runs meanwhile), epilogue = t4 - t3, turn_wait = t1 - t0, "
           "eturn_wait = t3 - t2, period = between a consumer's successive K-loop starts, sm_span = first t0 "

@@ -10,6 +10,8 @@
 #                 1.5 min tuned
 #   block         the block's GEMMs on both backends, the block against its speed of light and the peers,
 #                 untuned, each width in a fresh process (bench/block_kernels.py), 5-7 min
+#   first_call    seconds to the first training step from an empty cache and from a warm one, and each
+#                 kernel's first compile (bench/first_call.py; FIRST_CALL_ARGS, e.g. "--cases llama_1b")
 #   train         end-to-end training steps per family and variant, each in its own process (bench/train.py;
 #                 TRAIN_ARGS picks models, shapes and variants, e.g. "--models llama3.2-1b --variants coda,hf_eager")
 # Investigation tools (bench/tools/):
@@ -18,7 +20,8 @@
 #   timeline      per-tile timelines of the block's fused GEMMs, as generated and with template v4's changes
 #                 undone (timeline.py variants), ~4 min
 # Usage on the device (pydantic travels as wheels in .whl): bash bench/gpu_session.sh STEP...; with no argument
-# tests, epilogues and ops run. Each step stops after STEP_TIMEOUT (540) seconds, a device call's limit being 600.
+# tests, epilogues and ops run. coda runs untuned (CODA_AUTOTUNE defaults to 0); export CODA_AUTOTUNE=1 for tuned
+# figures (a carried .tuning.tgz is read only then). Each step stops after STEP_TIMEOUT (540) seconds, a device call's limit being 600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coda-out}
@@ -51,6 +54,8 @@ for step in $steps; do
     ops) timeout $STEP_TIMEOUT python3 bench/ops_block.py --out "$OUT" 2>&1 | untuned_lines | tee "$OUT/ops.log" | tail -30 ;;
     block) CODA_AUTOTUNE=0 timeout $STEP_TIMEOUT python3 bench/block_kernels.py --out "$OUT" 2>&1 \
              | grep -v Warn | tee "$OUT/block_kernels.log" | grep "block D=\|x[0-9]" | tail -60 ;;
+    first_call) timeout $STEP_TIMEOUT python3 bench/first_call.py --out "$OUT" ${FIRST_CALL_ARGS:-} 2>&1 \
+                  | tee "$OUT/first_call.log" | tail -30 ;;
     train) timeout $STEP_TIMEOUT python3 bench/train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | untuned_lines \
              | tee "$OUT/train.log" | grep '^\[train\]' | tail -40 ;;
     profile) timeout $STEP_TIMEOUT python3 bench/tools/profile_ops.py --out "$OUT" 2>&1 | untuned_lines \
@@ -63,7 +68,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, train, profile, rowwise, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, train, profile, rowwise, timeline)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

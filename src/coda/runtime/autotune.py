@@ -30,10 +30,8 @@ from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
 from .cache import atomic_write, cache_dir
 from .env import env_flag
-from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
-from .config import Config, check_config, default_config, min_block_n, smem_bytes
-
-MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
+from .config import Config, check_config, default_config, min_block_n
+from .resources import misfit, smem_bytes
 
 
 class TuneKey(BaseModel):
@@ -158,12 +156,9 @@ def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int,
             cols = cfg.epi_n * graph.node(node.x).frac_width
             if cols < 2 or cols % 2:
                 return f"pairs need an even column count per tile, got {cols}"
-    acc_regs = cfg.epi_m * cfg.block_n // (32 * cfg.num_warps)  # gluon-hopper: per consumer warpgroup
-    if acc_regs > MAX_ACC_REGS:
-        return f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS})"
-    smem = smem_bytes(graph, cfg, in_size, out_size)
-    if smem > SMEM_LIMIT:
-        return f"shared memory {smem} B > {SMEM_LIMIT} B"
+    too_large = misfit(cfg, smem_bytes(graph, cfg, in_size, out_size))
+    if too_large is not None:
+        return too_large
     if cfg.block_m > 64 and cfg.block_m > 2 * m or cfg.block_n > 64 and cfg.block_n > 2 * n:
         return "tile far larger than the problem"
     if cfg.tma_store and not any(isinstance(o, StoreOutput) for o in graph.outputs):
@@ -259,12 +254,13 @@ def tune(
 def choose(
     graph: Graph, key: TuneKey, in_dtype: str, in_size: int, out_size: int, m: int, n: int, k: int,
     launch: Callable[[Config], object], spills: Callable[[Config], int | None],
+    smem: Callable[[Config], int] | None = None,
 ) -> Config:
     """The config for this call: cached winner, fresh tuning over `key.backends`, or the
-    default (CODA_AUTOTUNE=0) of the first of them."""
+    default (CODA_AUTOTUNE=0) of the first of them, fitted by `smem` (default_config)."""
     setting = mode()
     if setting == "0":
-        return default_config(graph, in_dtype, False, m, n, k, key.backends[0])
+        return default_config(graph, in_dtype, False, m, n, k, key.backends[0], smem)
     if setting == "1":
         entry = load_entry(key)
         if entry is not None:

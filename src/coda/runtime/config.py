@@ -208,8 +208,8 @@ def fitted(graph: Graph, cfg: Config, smem: Callable[[Config], int]) -> Config:
     need = min_block_n(graph)
     found, why = _search(graph, cfg, smem, need)
     if found is not None:
-        log.debug("coda: %s: the default %s config %s; running %s", graph.name, cfg.backend,
-                  misfit(cfg, smem(cfg)), _shape(found))
+        log.debug("coda: %s: the default %s config (%s) does not fit the GPU: %s; running %s instead", graph.name,
+                  cfg.backend, _shape(cfg), misfit(cfg, smem(cfg)), _shape(found))
         return found
     raise ValueError(_no_fit(graph, cfg, smem, need, why))
 
@@ -230,7 +230,7 @@ def _no_fit(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int,
         text += f"the smallest tile that holds whole groups does not fit, {why}"
     if groups:
         text += "; " + ", ".join(f"reduction {o.name!r} sums groups of {o.group} columns" for o in groups)
-    if tiles:
+    if tiles and why is not None and "shared memory" in why:
         text += f"; Tile operand(s) {', '.join(map(repr, tiles))} are staged or converted in shared memory"
     smaller = next((cols for cols in _halvings(need // 2, 16) if _search(graph, cfg, smem, cols)[0] is not None), None)
     if groups and smaller is not None:
@@ -304,8 +304,10 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
             return cfg
         fallback = fallback or (cfg and cfg.model_copy(update={"num_stages": 3}))
     if fallback is None:
-        raise ValueError(f"coda: gluon-hopper cannot run epilogue {graph.name!r}: its epilogue subtiles hold at most "
-                         f"256 columns of a 64-row tile, and its grouped reductions need {need} columns in one")
+        groups = ", ".join(f"reduction {o.name!r} sums groups of {o.group} columns" for o in graph.outputs
+                           if isinstance(o, ReduceOutput) and o.group is not None)
+        raise ValueError(f"coda: gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
+                         f"hold at most 256 columns (of a 64-row tile), {need} needed")
     return fallback
 
 

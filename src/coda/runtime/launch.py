@@ -19,7 +19,7 @@ from .config import Config, check_config, default_config
 from .device import interpreting, num_programs
 from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
-from .resources import misfit
+from .resources import HOPPER_SMEM_BYTES
 from . import guard
 from .specialize import call_smem_bytes, kernel_for, specialize
 from .threads import build_lock
@@ -98,12 +98,14 @@ def _out_dict(graph: Graph, out: object) -> dict:
 
 
 def _check_fits(call: Call, cfg: Config) -> None:
-    """A given config must fit the GPU: say why not before anything launches (Triton's
-    OutOfResources would come from inside the launch)."""
-    why = misfit(cfg, call_smem_bytes(call, cfg))
-    if why is not None:
-        raise ValueError(f"coda.gemm: the given Config cannot run epilogue {call.graph.name!r} on an sm_90 GPU: {why}; "
-                         f"pass a smaller one (fewer num_stages, more subtiles, smaller blocks) or none")
+    """A given config must fit the GPU's shared memory: say so before anything launches (Triton's
+    OutOfResources would come from inside the launch). Its registers are the caller's choice:
+    Triton spills, and gluon-hopper's register budget is a Config rule."""
+    need = call_smem_bytes(call, cfg)
+    if need > HOPPER_SMEM_BYTES:
+        raise ValueError(f"coda.gemm: the given Config cannot run epilogue {call.graph.name!r} on an sm_90 GPU: it "
+                         f"needs {need} bytes of shared memory (at most {HOPPER_SMEM_BYTES}); pass a smaller one "
+                         f"(fewer num_stages, more subtiles, smaller blocks) or none")
 
 
 def chosen_config(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: Mapping[str, object]) -> Config | None:

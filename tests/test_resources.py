@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 import coda
-from coda.runtime import choose, launch
+from coda.runtime import autotune, choose, launch
 from coda.runtime.config import Config, default_config, min_block_n
 from coda.runtime.resources import HOPPER_SMEM_BYTES, misfit
 from coda.runtime.specialize import call_smem_bytes
@@ -292,15 +292,25 @@ def wide_programs(draw: st.DrawFn) -> str:
 @settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow])
 @given(source=wide_programs(), backend=st.sampled_from(["triton", "triton", "gluon-hopper"]),
-       m=st.sampled_from([128, 1024]), n=st.sampled_from([2048, 4096]))
-def test_random_wide_programs_fit_on_sm90(worker: Worker, source: str, backend: str, m: int, n: int) -> None:
-    """The default the runtime picks compiles for sm_90 within the limit and within the model's
-    bytes (no OutOfResources), or gluon-hopper says in a sentence why it cannot run the program."""
+       m=st.sampled_from([128, 1024]), n=st.sampled_from([2048, 4096]), data=st.data())
+def test_random_wide_programs_fit_on_sm90(worker: Worker, source: str, backend: str, m: int, n: int,
+                                          data: st.DataObject) -> None:
+    """The default the runtime picks, and a config the tuner would try, compile for sm_90 within
+    the limit and within the model's bytes (no OutOfResources), or gluon-hopper says in a
+    sentence why it cannot run the program."""
     note(source)
     namespace = {"coda": coda}
     exec(source, namespace)
     graph = coda.epilogue(namespace["f"]).graph
     note(f"needs {min_block_n(graph)} columns per subtile")
+    space = [c for c in autotune.config_space("bfloat16", (backend,))
+             if autotune.prune_reason(graph, c, 2, 2, m, n) is None]
+    if space:
+        candidate = data.draw(st.sampled_from(space), label="tuner candidate")
+        tried = worker.ask(source, candidate.model_dump(), (m, n, K))
+        note(json.dumps(tried))
+        assert tried["estimate"] <= HOPPER_SMEM_BYTES and tried["shared"] <= HOPPER_SMEM_BYTES, tried
+        _check_bound("tuner candidate", tried)
     try:
         result = worker.ask(source, backend, (m, n, K))
     except AssertionError as exc:  # no config fits: a sentence naming the reduction, never a pydantic dump

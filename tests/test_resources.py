@@ -233,10 +233,11 @@ def _check_bound(what: str, result: dict) -> None:
 
 
 def test_the_h200_case_before_and_after_on_sm90(worker: Worker) -> None:
-    """The old default takes 360480 B, as on the H200 (and the model says it does not fit); the
-    fitted defaults of both templates compile within the limit and within the model's bytes."""
+    """The old default takes more than the limit (360480 B with triton 3.6, as on the H200), and
+    the model says so; the fitted defaults of both templates compile within the limit and within
+    the model's bytes (213032 and 123144 B with triton 3.6)."""
     old = worker.ask(GROUPED_MAX, OLD_DEFAULT)
-    assert old["shared"] == 360480 and old["estimate"] >= old["shared"], old
+    assert HOPPER_SMEM_BYTES < old["shared"] <= old["estimate"], old
     for backend in ("triton", "gluon-hopper"):
         new = worker.ask(GROUPED_MAX, backend)
         assert new["config"]["backend"] == backend and "refused" not in new, new

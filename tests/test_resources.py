@@ -251,6 +251,8 @@ BOUND_CASES = {
     "pointer width-2 Tile, ring reused": (PAIRS_GROUP, _cfg(128, 256, 2)),
     "TMA width-2 Tile and both stores, ring reused": (SWIGLU_BACKWARD, _cfg(128, 128, 4)),
     "TMA Tile, stores, subtiles, flattened": (SWIGLU_BACKWARD, _cfg(128, 128, 4, flatten=True, subtile=2)),
+    "TMA width-2 Tile in a 4-stage 128x256 ring's bytes": (SWIGLU_BACKWARD, _cfg(128, 256, 4, subtile=2,
+                                                                                 tma_store=False)),
 }
 
 

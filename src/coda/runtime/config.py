@@ -223,7 +223,7 @@ def _no_fit(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int,
     """The sentence for a program no config of cfg's backend can run on sm_90."""
     groups = [o for o in graph.outputs if isinstance(o, ReduceOutput) and o.group is not None]
     tiles = [s.name for s in graph.operands if s.kind.value == "tile"]
-    text = f"coda: no {cfg.backend} config can run epilogue {graph.name!r} on an sm_90 GPU: "
+    text = f"no {cfg.backend} config can run epilogue {graph.name!r} on an sm_90 GPU: "
     if why is None:
         text += f"none of its tiles holds {need} columns in one epilogue subtile"
     else:
@@ -306,7 +306,7 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
     if fallback is None:
         groups = ", ".join(f"reduction {o.name!r} sums groups of {o.group} columns" for o in graph.outputs
                            if isinstance(o, ReduceOutput) and o.group is not None)
-        raise ValueError(f"coda: gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
+        raise ValueError(f"gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
                          f"hold at most 256 columns (of a 64-row tile), {need} needed")
     return fallback
 

@@ -43,7 +43,7 @@ from coda.ir.nodes import StoreOutput
 from coda.ops import epilogues as E
 from coda.runtime.aot import hopper_spec
 from coda.runtime.launch import PLAIN
-from coda.runtime.config import GLUON_MAXNREG, HOPPER_SMEM_BYTES
+from coda.runtime.resources import GLUON_MAXNREG, HOPPER_SMEM_BYTES
 from test_properties import Program, programs
 
 WORKER = textwrap.dedent('''

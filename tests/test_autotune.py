@@ -20,6 +20,7 @@ import coda
 from coda.runtime import autotune
 from coda.runtime.autotune import TuneEntry, TuneKey
 from coda.runtime.config import Config, default_config
+from coda.runtime.resources import BARRIER_BYTES
 from conftest import GPU
 
 
@@ -80,7 +81,7 @@ def test_prune_grouped_reduction_needs_whole_groups() -> None:
 
 def test_prune_shared_memory() -> None:
     cfg = Config(block_m=256, block_n=256, block_k=128, num_warps=8, num_stages=4, tma_store=False)
-    assert autotune.smem_bytes(swiglu.graph, cfg, 2, 2) == 4 * 512 * 128 * 2
+    assert autotune.smem_bytes(swiglu.graph, cfg, 2, 2) == 4 * 512 * 128 * 2 + BARRIER_BYTES
     assert "shared memory" in autotune.prune_reason(swiglu.graph, cfg.model_copy(update={"num_warps": 16}), 2, 2, 8192, 8192)
 
 
@@ -88,7 +89,7 @@ def test_prune_tma_store_staging_counts() -> None:
     cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4, tma_store=False)
     assert autotune.prune_reason(grouped.graph, cfg, 2, 2, 8192, 8192) is None
     with_tma = cfg.model_copy(update={"tma_store": True})
-    assert autotune.smem_bytes(grouped.graph, with_tma, 2, 2) == 4 * 384 * 64 * 2 + 128 * 256 * 2
+    assert autotune.smem_bytes(grouped.graph, with_tma, 2, 2) == 4 * 384 * 64 * 2 + 128 * 256 * 2 + BARRIER_BYTES
     assert "shared memory" in autotune.prune_reason(grouped.graph, with_tma, 2, 2, 8192, 8192)
 
 
@@ -460,25 +461,30 @@ def test_tma_stores_only_while_shared_memory_fits() -> None:
 
 def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     """The SwiGLU-backward epilogue (a width-2 Tile operand, a width-2 and a width-1 output) at
-    the heavy default 128x128x64/4 stages: the z load and both TMA stores would need 294912 B
-    beside the ring, over the 227 KiB limit (an OutOfResources launch on the H200 before this
-    was counted). The Tile load is kept, the stores fall back to pointers while they do not fit."""
+    128x128x64/4 stages with the tile loop flattened (the ring stays allocated through the
+    epilogue): the z load and both TMA stores would need 294912 B beside the ring, over the
+    227 KiB limit (an OutOfResources launch on the H200 before this was counted). The Tile load
+    is kept, the stores fall back to pointers while they do not fit."""
     import torch
     from coda.ops.epilogues import swiglu_backward
-    from coda.runtime.config import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes
+    from coda.runtime.resources import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes, triton_scratch_bytes
+    from coda.runtime.specialize import call_smem_bytes
     from coda.runtime.specialize import spec_fields as _spec_fields
     from coda.runtime.validate import validate
 
     m, f, d = 256, 256, 64
     a, b = torch.randn(m, d).bfloat16(), torch.randn(d, f).bfloat16()
     z = torch.randn(m, 2 * f).bfloat16()
-    cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-    fields = _spec_fields(validate(swiglu_backward.graph, a, b, {"z": z}, None, True), False, cfg)
+    cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True)
+    call = validate(swiglu_backward.graph, a, b, {"z": z}, None, True)
+    fields = _spec_fields(call, False, cfg)
     tiles, tma_stores = fields[8], fields[7]
     assert tiles == ("z",)
     used = ring_bytes(cfg, 2) + staging_bytes(cfg, 2, 2) + sum(
         staging_bytes(cfg, {"dz": 2, "y": 1}[name], 2) for name in tma_stores)
-    assert used <= HOPPER_SMEM_BYTES
+    assert used <= call_smem_bytes(call, cfg) <= HOPPER_SMEM_BYTES
     assert len(tma_stores) < 2
-    assert autotune.smem_bytes(swiglu_backward.graph, cfg, 2, 2) == ring_bytes(cfg, 2) + 2 * 128 * 256 * 2 + 128 * 128 * 2
+    all_tma = ring_bytes(cfg, 2) + 2 * 128 * 256 * 2 + 128 * 128 * 2
+    scratch = triton_scratch_bytes(swiglu_backward.graph, cfg, False) + BARRIER_BYTES
+    assert autotune.smem_bytes(swiglu_backward.graph, cfg, 2, 2) == all_tma + scratch
     assert "shared memory" in autotune.prune_reason(swiglu_backward.graph, cfg, 2, 2, 8192, 8192)

@@ -31,9 +31,9 @@ from coda.ir.types import Kind
 from coda.ops import epilogues as E
 from coda.runtime import autotune, cache, fingerprint
 from coda.runtime.aot import hopper_spec
-from coda.runtime.config import (COOPERATIVE_MIN_K, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, Config, default_config,
-                                 gluon_constexprs, gluon_scratch_bytes,
-                                 ring_bytes, staging_bytes, store_bytes, tile_load_bytes)
+from coda.runtime.config import COOPERATIVE_MIN_K, Config, default_config, gluon_constexprs
+from coda.runtime.resources import (BARRIER_BYTES, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, gluon_scratch_bytes, ring_bytes,
+                                    staging_bytes, store_bytes, tile_load_bytes)
 from coda.runtime.launch import PLAIN
 from coda.runtime.specialize import make_spec, spec_fields
 from coda.runtime.validate import validate
@@ -469,8 +469,9 @@ def _tile_in_tile_out(acc, g: coda.Tile):
 
 def test_prune_reason_counts_gluon_double_staging() -> None:
     """gluon-hopper keeps `epi_stages` slots per TMA Tile operand and `store_buffers` staging
-    buffers per consumer: a 128x128 4-slot ring fits beside one of each for Triton, not for
-    gluon-hopper; more slots or buffers count in proportion."""
+    buffers per consumer: a 128x128 4-slot ring fits beside one of each for Triton (whose
+    non-flattened epilogue stages its loads in the ring's bytes), not for gluon-hopper; more slots
+    or buffers count in proportion."""
     graph = _tile_in_tile_out.graph
     gluon = Config(**GOOD)
     triton = Config(**{**GOOD, "backend": "triton", "num_warps": 8})
@@ -481,11 +482,11 @@ def test_prune_reason_counts_gluon_double_staging() -> None:
     assert tile_load_bytes(deeper, Fraction(1), 2) == 4 * staging
     assert store_bytes(deeper, Fraction(1), 2) == 2 * GLUON_CONSUMERS * staging
     ring = ring_bytes(gluon, 2)
-    assert autotune.smem_bytes(graph, triton, 2, 2) == ring + 2 * staging <= HOPPER_SMEM_BYTES
-    assert autotune.smem_bytes(graph, gluon, 2, 2) == ring + 4 * staging > HOPPER_SMEM_BYTES
+    assert autotune.smem_bytes(graph, triton, 2, 2) == ring + staging + BARRIER_BYTES <= HOPPER_SMEM_BYTES
+    assert autotune.smem_bytes(graph, gluon, 2, 2) == ring + 4 * staging + BARRIER_BYTES > HOPPER_SMEM_BYTES
     assert autotune.prune_reason(graph, triton, 2, 2, 4096, 4096) is None
     reason = autotune.prune_reason(graph, gluon, 2, 2, 4096, 4096)
-    assert reason is not None and "shared memory" in reason and str(ring + 4 * staging) in reason
+    assert reason is not None and "shared memory" in reason and str(ring + 4 * staging + BARRIER_BYTES) in reason
     # Without TMA stores only the Tile operand's ring is staged: it fits again.
     assert autotune.prune_reason(graph, gluon.model_copy(update={"tma_store": False}), 2, 2, 4096, 4096) is None
     # A plain GEMM with the same tile fits (one store staging per consumer).

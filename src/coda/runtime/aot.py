@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..codegen import OperandForm, Specialization, generate, operand_args, output_args
 from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
-from .config import GLUON_MAXNREG, HOPPER_SMEM_BYTES, Config, check_config, gluon_constexprs
+from .config import Config, check_config, gluon_constexprs
+from .resources import GLUON_MAXNREG, HOPPER_SMEM_BYTES
+from .plan import launch_values
+from .specialize import make_spec, spec_fields
 from .tma import gluon_layout
+from .validate import Call
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
           "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1"}
@@ -86,8 +91,28 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
     return sig, constexprs
 
 
-def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult:
-    """Compile the kernel for (graph, spec, cfg) to sm_90 PTX/cubin without a GPU."""
+def _jit_specialized(sig: dict[str, str], constexprs: dict[str, object],
+                     values: Mapping[str, int]) -> dict[tuple[int], list]:
+    """Specialize `sig` in place as Triton's JIT does for a launch with these integer arguments:
+    one equal to 1 becomes a constant, a multiple of 16 is marked divisible by 16, and so is
+    every pointer (torch allocates 16-byte aligned). The compiled code depends on it: unit
+    strides make Tile loads vectorized, whose layout conversions take shared memory (32 KB
+    more in the 128x512 kernel of a grouped max beside a Tile operand)."""
+    attrs = {}
+    for i, (name, kind) in enumerate(sig.items()):
+        value = values.get(name)
+        if kind == "i32" and value == 1:
+            sig[name], constexprs[name] = "constexpr", 1
+        elif kind.startswith("*") or kind == "i32" and value is not None and value % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_hopper(graph: Graph, spec: Specialization, cfg: Config,
+                   values: Mapping[str, int] | None = None) -> AotResult:
+    """Compile the kernel for (graph, spec, cfg) to sm_90 PTX/cubin without a GPU. `values`: the
+    launch's integer arguments (sizes, strides; `compile_call` takes them from a call), to
+    compile what the GPU would run for them; without, a kernel for any sizes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -108,16 +133,25 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config) -> AotResult
     atomic_write(path, seal(generate(graph, spec)))
     module = _import(path, f"coda_aot_{key}")
     sig, constexprs = _signature(graph, spec, cfg)
+    attrs = _jit_specialized(sig, constexprs, values) if values is not None else None
     if spec.backend == "gluon-hopper":
-        src = GluonASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)
+        src = GluonASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": cfg.num_warps, "maxnreg": GLUON_MAXNREG}
     else:
-        src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs)
+        src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     meta = compiled.metadata
     return AotResult(ptx=compiled.asm["ptx"], shared=meta.shared, num_warps=meta.num_warps,
                      registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None))
+
+
+def compile_call(call: Call, cfg: Config) -> AotResult:
+    """Compile what a GPU launch of this validated call with `cfg` would run: the runtime's
+    specialization, and Triton's for the call's sizes and strides (the tensors may be on the
+    CPU: only their metadata is read)."""
+    spec = make_spec(spec_fields(call, False, cfg))
+    return compile_hopper(call.graph, spec, cfg, launch_values(call, spec, cfg))
 
 
 def hopper_spec(graph: Graph, *, backend: str = "triton", in_dtype: str = "bfloat16", a_load: str = "tma_row", b_load: str = "tma_col",
@@ -140,4 +174,4 @@ def hopper_spec(graph: Graph, *, backend: str = "triton", in_dtype: str = "bfloa
                           wide=wide, subtile=subtile, epilogue_loop=epilogue_loop)
 
 
-__all__ = ["AotResult", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES"]
+__all__ = ["AotResult", "compile_call", "compile_hopper", "hopper_spec", "HOPPER_SMEM_BYTES"]

@@ -35,10 +35,9 @@ from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
 from .cache import atomic_write, cache_dir
 from .env import env_flag
-from .config import HOPPER_SMEM_BYTES as SMEM_LIMIT
-from .config import Config, check_config, default_config, min_block_n, smem_bytes
+from .config import Config, check_config, default_config, min_block_n
+from .resources import misfit, smem_bytes
 
-MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
 MARGIN = 0.03  # a tuned config must be this much faster than the default to be kept
 DUEL_ROUNDS = 3  # alternating timings of the default and the best at the end
 
@@ -182,12 +181,9 @@ def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int,
             cols = cfg.epi_n * graph.node(node.x).frac_width
             if cols < 2 or cols % 2:
                 return f"pairs need an even column count per tile, got {cols}"
-    acc_regs = cfg.epi_m * cfg.block_n // (32 * cfg.num_warps)  # gluon-hopper: per consumer warpgroup
-    if acc_regs > MAX_ACC_REGS:
-        return f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS})"
-    smem = smem_bytes(graph, cfg, in_size, out_size)
-    if smem > SMEM_LIMIT:
-        return f"shared memory {smem} B > {SMEM_LIMIT} B"
+    too_large = misfit(cfg, smem_bytes(graph, cfg, in_size, out_size))
+    if too_large is not None:
+        return too_large
     if cfg.block_m > 64 and cfg.block_m > 2 * m or cfg.block_n > 64 and cfg.block_n > 2 * n:
         return "tile far larger than the problem"
     if cfg.tma_store and not any(isinstance(o, StoreOutput) for o in graph.outputs):
@@ -327,11 +323,12 @@ def _decide(best: Config, timings: dict[Config, float], default: Config | None,
     return None, default_ms, default_ms
 
 
-def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str) -> Config | None:
+def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str,
+              smem: Callable[[Config], int] | None = None) -> Config | None:
     """The default config as the tuner times it, or None where no default fits the call. With no
     tile output the TMA-store flag changes nothing, and the space drops it: so does this."""
     try:
-        cfg = default_config(graph, in_dtype, False, m, n, k, backend)
+        cfg = default_config(graph, in_dtype, False, m, n, k, backend, smem)
     except ValueError as exc:
         _say(f"no default config for {graph.name} ({exc}); tuning without a baseline")
         return None
@@ -343,14 +340,15 @@ def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str)
 def choose(
     graph: Graph, key: TuneKey, in_dtype: str, in_size: int, out_size: int, m: int, n: int, k: int,
     launch: Callable[[Config], object], spills: Callable[[Config], int | None],
+    smem: Callable[[Config], int] | None = None,
 ) -> Config:
-    """The config for this call: the default of the first of `key.backends` (CODA_AUTOTUNE=0),
-    or the key's cached entry, or a fresh tuning over `key.backends`."""
+    """The config for this call: the default of the first of `key.backends`, fitted by `smem`
+    (CODA_AUTOTUNE=0), or the key's cached entry, or a fresh tuning over `key.backends`."""
     SESSION.asked.add(key)
     setting = mode()
     if setting == "0":
-        return default_config(graph, in_dtype, False, m, n, k, key.backends[0])
-    baseline = _baseline(graph, in_dtype, m, n, k, key.backends[0])
+        return default_config(graph, in_dtype, False, m, n, k, key.backends[0], smem)
+    baseline = _baseline(graph, in_dtype, m, n, k, key.backends[0], smem)
     if setting == "1":
         entry = load_entry(key)
         if entry is not None and entry.config is None and baseline is not None:

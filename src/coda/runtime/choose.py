@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import triton
@@ -17,7 +18,7 @@ from . import autotune
 from .config import Config, default_config
 from .device import device_name
 from .fingerprint import GENERATOR
-from .specialize import make_spec, spec_fields
+from .specialize import call_smem_bytes, make_spec, spec_fields
 from .validate import Call
 
 log = logging.getLogger("coda")
@@ -40,10 +41,15 @@ def gluon_reason(call: Call, interpret: bool) -> str | None:
     if (major, minor) != (9, 0):
         return f"the GPU is sm_{major}{minor}; gluon-hopper is for sm_90"
     try:
-        cfg = default_config(call.graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper")
-    except ValueError as exc:
+        cfg = default_config(call.graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper", smem_of(call))
+    except ValueError as exc:  # no gluon-hopper config holds its groups or fits the GPU: the sentence says which
         return str(exc)
     return unsupported(call.graph, make_spec(spec_fields(call, False, cfg)))
+
+
+def smem_of(call: Call) -> Callable[[Config], int]:
+    """The shared memory of this call's kernel under a config (what the default must fit)."""
+    return lambda cfg: call_smem_bytes(call, cfg)
 
 
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
@@ -105,7 +111,7 @@ def pick_config(call: Call, interpret: bool, launch) -> Config:
         return getattr(compiled.get(c), "n_spills", None)
 
     size = call.a.element_size()
-    cfg = _chosen[memo] = autotune.choose(graph, key, call.in_dtype, size, size, m, n, k, run, spills)
+    cfg = _chosen[memo] = autotune.choose(graph, key, call.in_dtype, size, size, m, n, k, run, spills, smem_of(call))
     return cfg
 
 

@@ -2,47 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 from fractions import Fraction
+from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import Backend
+from .resources import GLUON_CONSUMER_REGS, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, misfit, run_smem_bytes, smem_bytes
 
-
-HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
-
-
-GLUON_CONSUMERS = 2  # gluon-hopper: consumer warpgroups, each with its own TMA store staging
-GLUON_CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
-GLUON_MAXNREG = 168  # registers per thread at launch: 3 warpgroups share the 64K register file
-
-
-def ring_bytes(cfg: "Config", in_size: int) -> int:
-    """Shared memory of the pipelined A/B operand ring."""
-    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size
-
-
-def staging_bytes(cfg: "Config", width: Fraction, out_size: int) -> int:
-    """Shared memory staging one TMA-loaded or TMA-stored epilogue tile of the given width (one
-    subtile's: the subtiles of a tile reuse the buffer, as sm_90 compiles show)."""
-    return cfg.epi_m * int(cfg.epi_n * width) * out_size
-
-
-def tile_load_bytes(cfg: "Config", width: Fraction, size: int) -> int:
-    """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
-    epilogue loader keeps a ring of `epi_stages` subtiles (one ring per consumer when they
-    share tiles)."""
-    slots = cfg.epi_stages * cfg.split_m if cfg.backend == "gluon-hopper" else 1
-    return slots * staging_bytes(cfg, width, size)
-
-
-def store_bytes(cfg: "Config", width: Fraction, size: int) -> int:
-    """Shared memory for one TMA-stored tile output: gluon-hopper stages `store_buffers` subtiles
-    per consumer."""
-    copies = GLUON_CONSUMERS * cfg.store_buffers if cfg.backend == "gluon-hopper" else 1
-    return copies * staging_bytes(cfg, width, size)
+log = logging.getLogger("coda")
 
 
 def _pow2(x: int) -> bool:
@@ -166,23 +138,106 @@ def _heavy(graph: Graph) -> bool:
 
 
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
-                   backend: Backend = "triton") -> Config:
-    """A reasonable config without tuning."""
+                   backend: Backend = "triton", smem: Callable[[Config], int] | None = None) -> Config:
+    """A reasonable config without tuning; on a GPU one that fits it (`fitted`), its shared
+    memory measured by `smem` (by default: Tile operands and tile outputs of a's dtype, all of
+    them TMA-legal)."""
+    size = 4 if in_dtype == "float32" else 2
+    need = min_block_n(graph)
     if backend == "gluon-hopper":
-        return _gluon_default(graph, 4 if in_dtype == "float32" else 2, m, n, k)
-    if interpret:
+        cfg = _gluon_default(graph, size, m, n, k)
+    elif interpret:  # no shared memory to fit
         block = 16 if max(m, n) <= 64 else 32
         cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
+        return cfg.model_copy(update={"block_n": need}) if cfg.epi_n < need else cfg
     elif in_dtype == "float32":
         cfg = Config(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     elif graph.uses_width(Fraction(2)) or _heavy(graph):  # keep the epilogue's tiles in registers
         cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True, subtile=2)
     else:  # the H200 sweep's most robust winner (bench/results/sweep)
         cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
-    need = min_block_n(graph)
     if cfg.epi_n < need:
         cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
-    return cfg
+    return fitted(graph, cfg, smem or (lambda c: run_smem_bytes(graph, c, size, size)))
+
+
+def _halvings(x: int, low: int) -> list[int]:
+    return [x >> i for i in range(x.bit_length()) if x >> i >= low]
+
+
+def _below(cfg: Config, need: int) -> list[dict[str, object]]:
+    """Configs no larger than `cfg` whose epilogue subtiles hold `need` columns, largest first:
+    pipelined (2+ stages) before not, then by tile area, K step, stages, the schedule and
+    subtile width closest to cfg's (gluon-hopper keeps 2+ stages: its loader's ring)."""
+    low = 2 if cfg.backend == "gluon-hopper" else 1
+    options = []
+    for bm, bn, bk, stages, coop in itertools.product(
+            _halvings(cfg.block_m, 16), _halvings(cfg.block_n, max(16, need)), _halvings(cfg.block_k, 16),
+            range(cfg.num_stages, low - 1, -1), {cfg.cooperative, False}):
+        for sub in _halvings(bn // max(16, need), 1):
+            rank = (stages >= 2, bm * bn, bk, stages, coop == cfg.cooperative,
+                    -abs(sub.bit_length() - cfg.subtile.bit_length()), bm)
+            options.append((rank, {"block_m": bm, "block_n": bn, "block_k": bk, "num_stages": stages,
+                                   "cooperative": coop, "subtile": sub}))
+    options.sort(key=lambda o: o[0], reverse=True)
+    return [update for _, update in options]
+
+
+def _search(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int) -> tuple[Config | None, str | None]:
+    """The first legal config of `_below(cfg, need)` that fits, else (None, why the smallest
+    legal one does not; None when none is legal)."""
+    why = None
+    for update in _below(cfg, need):
+        try:
+            c = Config.model_validate({**cfg.model_dump(), **update})
+        except ValidationError:
+            continue
+        why = misfit(c, smem(c))
+        if why is None:
+            return c, None
+    return None, why
+
+
+def fitted(graph: Graph, cfg: Config, smem: Callable[[Config], int]) -> Config:
+    """`cfg` if it fits an sm_90 GPU (`resources.misfit`, its shared memory by `smem`), else the
+    largest config below it that does and still holds whole reduction groups (`_below`); a
+    debug log says which runs instead. Raises ValueError, before anything launches, naming the
+    grouped reductions and Tile operands and the largest groups that would fit, when none does."""
+    if misfit(cfg, smem(cfg)) is None:
+        return cfg
+    need = min_block_n(graph)
+    found, why = _search(graph, cfg, smem, need)
+    if found is not None:
+        log.debug("coda: %s: the default %s config (%s) does not fit the GPU: %s; running %s instead", graph.name,
+                  cfg.backend, _shape(cfg), misfit(cfg, smem(cfg)), _shape(found))
+        return found
+    raise ValueError(_no_fit(graph, cfg, smem, need, why))
+
+
+def _shape(cfg: Config) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.num_stages} stages, subtile {cfg.subtile}"
+            f"{', cooperative' if cfg.cooperative else ''}")
+
+
+def _no_fit(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int, why: str | None) -> str:
+    """The sentence for a program no config of cfg's backend can run on sm_90."""
+    groups = [o for o in graph.outputs if isinstance(o, ReduceOutput) and o.group is not None]
+    tiles = [s.name for s in graph.operands if s.kind.value == "tile"]
+    text = f"no {cfg.backend} config can run epilogue {graph.name!r} on an sm_90 GPU: "
+    if why is None:
+        text += f"none of its tiles holds {need} columns in one epilogue subtile"
+    else:
+        text += f"the smallest tile that holds whole groups does not fit, {why}"
+    if groups:
+        text += "; " + ", ".join(f"reduction {o.name!r} sums groups of {o.group} columns" for o in groups)
+    if tiles and why is not None and "shared memory" in why:
+        text += f"; Tile operand(s) {', '.join(map(repr, tiles))} are staged or converted in shared memory"
+    smaller = next((cols for cols in _halvings(need // 2, 16) if _search(graph, cfg, smem, cols)[0] is not None), None)
+    if groups and smaller is not None:
+        widths = {o.name: graph.node(o.x).frac_width for o in groups}
+        text += "; it would fit with " + ", ".join(f"group <= {int(smaller * widths[o.name])} for {o.name!r}"
+                                                  for o in groups if o.group > smaller * widths[o.name])
+    return text
 
 
 # From this depth on, and for the plain GEMM at any depth, gluon-hopper defaults to the cooperative
@@ -240,33 +295,25 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
         # reductions alone (an LM head's statistics): one subtile writes a quarter of the
         # partials, and nothing is staged
         return Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
-    for subtile in (4, 8):
+    fallback = None
+    for subtile in (4, 8, 2, 1):  # 2 and 1: groups too wide for 4 subtiles of a 64x256 tile
         block_n = max(128, need * subtile)
-        cfg = Config(backend="gluon-hopper", block_m=128 if block_n <= 128 else 64, block_n=block_n, block_k=64,
-                     num_warps=4, num_stages=4, subtile=subtile, epilogue_loop=loop)
-        if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
+        cfg = _gluon_config(block_m=128 if block_n <= 128 else 64, block_n=block_n, num_stages=4, subtile=subtile,
+                            epilogue_loop=loop)
+        if cfg is not None and smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
             return cfg
-    return Config(backend="gluon-hopper", block_m=128 if need <= 32 else 64, block_n=max(128, need * 4), block_k=64,
-                  num_warps=4, num_stages=3, subtile=4, epilogue_loop=loop)
+        fallback = fallback or (cfg and cfg.model_copy(update={"num_stages": 3}))
+    if fallback is None:
+        groups = ", ".join(f"reduction {o.name!r} sums groups of {o.group} columns" for o in graph.outputs
+                           if isinstance(o, ReduceOutput) and o.group is not None)
+        raise ValueError(f"gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
+                         f"hold at most 256 columns (of a 64-row tile), {need} needed")
+    return fallback
 
 
-def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
-    """Shared memory the kernel needs with every Tile operand loaded and (with tma_store) every
-    tile output stored through TMA: the operand ring plus each one's staging tile, and the
-    compiler's scratch (gluon-hopper)."""
-    staging = sum(tile_load_bytes(cfg, s.frac_width, in_size) for s in graph.operands if s.kind.value == "tile")
-    if cfg.tma_store:
-        staging += sum(store_bytes(cfg, graph.node(o.x).frac_width, out_size)
-                       for o in graph.outputs if isinstance(o, StoreOutput))
-    return ring_bytes(cfg, in_size) + staging + gluon_scratch_bytes(graph, cfg)
-
-
-def gluon_scratch_bytes(graph: Graph, cfg: "Config") -> int:
-    """Shared memory the compiler takes for a gluon-hopper epilogue's cross-warp traffic: sums
-    over rows (reduce_m: the 4 warps' partial columns) and grouped reductions (their
-    [rows, groups] result changes layout), each one fp32 subtile at most; pairs, interleave
-    and subtiles take none (their layouts split and join in registers)."""
-    if cfg.backend != "gluon-hopper":
-        return 0
-    moves = any(isinstance(o, ReduceOutput) and (o.axis == "m" or o.group is not None) for o in graph.outputs)
-    return cfg.epi_m * cfg.epi_n * 4 if moves else 0
+def _gluon_config(**fields: object) -> Config | None:
+    """A gluon-hopper config with a 64-deep K step, or None where its tile is not legal."""
+    try:
+        return Config(backend="gluon-hopper", block_k=64, num_warps=4, **fields)
+    except ValidationError:
+        return None

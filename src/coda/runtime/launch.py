@@ -19,8 +19,9 @@ from .config import Config, check_config, default_config
 from .device import interpreting, num_programs
 from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
+from .resources import HOPPER_SMEM_BYTES
 from . import guard
-from .specialize import kernel_for, specialize
+from .specialize import call_smem_bytes, kernel_for, specialize
 from .threads import build_lock
 from .validate import Call, validate
 
@@ -50,6 +51,8 @@ def run(
                 return empty_outputs(call)
             cfg = config or choose.pick_config(call, interpret, _tuning_launch)
             check_config(graph, cfg)
+            if config is not None and not interpret:
+                _check_fits(call, config)
             plan = make_plan(call, cfg, interpret)
             if key is not None:
                 if len(_plans) >= _MAX_PLANS:
@@ -94,6 +97,17 @@ def _out_dict(graph: Graph, out: object) -> dict:
     return out  # type: ignore[return-value]
 
 
+def _check_fits(call: Call, cfg: Config) -> None:
+    """A given config must fit the GPU's shared memory: say so before anything launches (Triton's
+    OutOfResources would come from inside the launch). Its registers are the caller's choice:
+    Triton spills, and gluon-hopper's register budget is a Config rule."""
+    need = call_smem_bytes(call, cfg)
+    if need > HOPPER_SMEM_BYTES:
+        raise ValueError(f"coda.gemm: the given Config cannot run epilogue {call.graph.name!r} on an sm_90 GPU: it "
+                         f"needs {need} bytes of shared memory (at most {HOPPER_SMEM_BYTES}); pass a smaller one "
+                         f"(fewer num_stages, more subtiles, smaller blocks) or none")
+
+
 def chosen_config(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: Mapping[str, object]) -> Config | None:
     """The config this process chose for such a call (after one has run), or None."""
     return choose.chosen_config(validate(graph, a, b, operands, None, interpreting()), interpreting())
@@ -131,7 +145,7 @@ def source(graph: Graph, a: object, b: object, operands: Mapping[str, object], o
     interpret = interpreting()
     call = validate(graph, a, b, operands, out, interpret)
     backend = choose.backends_for(call, interpret)[0]
-    cfg = default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k, backend)
+    cfg = default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k, backend, choose.smem_of(call))
     reason = choose.gluon_reason(call, interpret)
     why = "" if backend == "gluon-hopper" else f": {reason or 'measured faster for this kind of epilogue'}"
     return f"# coda backend: {backend}{why}\n" + generate(graph, specialize(call, interpret, cfg))

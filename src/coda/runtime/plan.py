@@ -17,7 +17,8 @@ from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
 from . import compile_log
-from .config import GLUON_MAXNREG, Config, gluon_constexprs
+from .config import Config, gluon_constexprs
+from .resources import GLUON_MAXNREG
 from .tma import gluon_layout
 from .validate import OPERAND_DTYPES, Call
 
@@ -221,4 +222,11 @@ class Plan:
         return compiled
 
 
-__all__ = ["Plan"]
+def launch_values(call: Call, spec: Specialization, cfg: Config) -> dict[str, int]:
+    """The integer arguments (sizes, strides) a launch of this call passes: what Triton's JIT
+    specializes the compiled kernel on (an AOT compile needs them to compile the same one)."""
+    plan = Plan.build(call, spec, None, cfg, programs=1)
+    return {name: v for name, v in plan.static.items() if type(v) is int}
+
+
+__all__ = ["Plan", "launch_values"]

@@ -9,7 +9,8 @@ from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from . import tma
 from .cache import load_kernel, stats
-from .config import HOPPER_SMEM_BYTES, Config, gluon_scratch_bytes, ring_bytes, store_bytes, tile_load_bytes
+from .config import Config
+from .resources import Staged, staging
 from .validate import IN_DTYPES, Call
 
 
@@ -21,31 +22,34 @@ def _wide(call: Call) -> bool:
     return max(spans + outputs, default=0) >= 2**31 - 1
 
 
+def _staging(call: Call, cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """The Tile operands and tile outputs of this call that move through TMA with `cfg` (those TMA
+    can move, while they fit beside the operand ring: `resources.staging`), and the kernel's
+    shared memory then."""
+    graph = call.graph
+    tiles = [s for s in graph.operands if s.kind == Kind.TILE]
+    loads = [Staged(s.name, s.frac_width, call.operands[s.name].element_size()) for s in tiles
+             if tma.tile_ok(call, s.name, cfg)]
+    stores = [Staged(o.name, graph.node(o.x).frac_width, call.out_dtype(o).itemsize) for o in graph.outputs
+              if isinstance(o, StoreOutput) and cfg.tma_store and tma.store_ok(call, o, cfg)]
+    return staging(graph, cfg, call.a.element_size(), loads, stores, len(tiles))
+
+
+def call_smem_bytes(call: Call, cfg: Config) -> int:
+    """Shared memory of the kernel this call runs with `cfg` on a GPU."""
+    return _staging(call, cfg)[2]
+
+
 def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:
     """The specialization as a plain tuple (a cheap per-call cache key)."""
     stores = [(o.name, IN_DTYPES[call.out_dtype(o)]) for o in call.graph.outputs if isinstance(o, StoreOutput)]
-    tiles, tma_stores = [], []
+    tiles, tma_stores = (), ()
     if cfg is not None:
-        # Every TMA Tile load and TMA store stages tiles in shared memory beside the operand
-        # ring: Tile loads first, then stores, each while it fits, so that no config fails for
-        # want of shared memory because of them (the rest use pointers).
-        free = HOPPER_SMEM_BYTES - ring_bytes(cfg, call.a.element_size()) - gluon_scratch_bytes(call.graph, cfg)
-        for s in call.graph.operands:
-            if s.kind == Kind.TILE and tma.tile_ok(call, s.name, cfg):
-                need = tile_load_bytes(cfg, s.frac_width, call.operands[s.name].element_size())
-                if need <= free:
-                    free -= need
-                    tiles.append(s.name)
-        for o in call.graph.outputs:
-            if isinstance(o, StoreOutput) and cfg.tma_store and tma.store_ok(call, o, cfg):
-                need = store_bytes(cfg, call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize)
-                if need <= free:
-                    free -= need
-                    tma_stores.append(o.name)
+        tiles, tma_stores, _ = _staging(call, cfg)
     forms = tuple((f.name, f.dtype) for f in call.forms)
     backend = "triton" if cfg is None else cfg.backend
     return (backend, call.in_dtype, tma.operand_load(call.a), tma.operand_load(call.b), forms, tuple(stores),
-            interpret, tuple(tma_stores), tuple(tiles), _wide(call), 1 if cfg is None else cfg.subtile,
+            interpret, tma_stores, tiles, _wide(call), 1 if cfg is None else cfg.subtile,
             cfg is not None and cfg.epilogue_loop)
 
 

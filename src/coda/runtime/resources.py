@@ -1,0 +1,172 @@
+"""What a config needs of an sm_90 GPU under each template, and whether that fits.
+
+One model for both templates: shared memory (the operand ring, TMA staging of Tile operands and
+tile outputs, the compiler's scratch for the epilogue's layout changes and cross-warp
+reductions, barriers) and accumulator registers. Each number is an upper bound of what Triton
+3.6 allocates, checked against sm_90 AOT compiles specialized as the JIT specializes a launch
+(tests/test_resources.py). The default choice, the tuner's pruning, the TMA staging choice and
+the check before every GPU launch all ask this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Sequence
+
+from ..ir.graph import Graph
+from ..ir.nodes import ReduceOutput, StoreOutput
+
+if TYPE_CHECKING:
+    from .config import Config
+
+HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
+GLUON_CONSUMERS = 2  # gluon-hopper: consumer warpgroups, each with its own TMA store staging
+GLUON_CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
+GLUON_MAXNREG = 168  # registers per thread at launch: 3 warpgroups share the 64K register file
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
+# mbarriers and the tile-id ring beside the explicit buffers: 16-56 bytes in sm_90 compiles
+BARRIER_BYTES = 1024
+
+
+def ring_bytes(cfg: Config, in_size: int) -> int:
+    """Shared memory of the pipelined A/B operand ring (every stage is allocated, also in Triton)."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size
+
+
+def staging_bytes(cfg: Config, width: Fraction, out_size: int) -> int:
+    """Shared memory staging one TMA-loaded or TMA-stored epilogue tile of the given width (one
+    subtile's: the subtiles of a tile reuse the buffer, as sm_90 compiles show)."""
+    return cfg.epi_m * int(cfg.epi_n * width) * out_size
+
+
+def tile_load_bytes(cfg: Config, width: Fraction, size: int) -> int:
+    """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
+    epilogue loader keeps a ring of `epi_stages` subtiles (one ring per consumer when they
+    share tiles)."""
+    slots = cfg.epi_stages * cfg.split_m if cfg.backend == "gluon-hopper" else 1
+    return slots * staging_bytes(cfg, width, size)
+
+
+def store_bytes(cfg: Config, width: Fraction, size: int) -> int:
+    """Shared memory for one TMA-stored tile output: gluon-hopper stages `store_buffers` subtiles
+    per consumer."""
+    copies = GLUON_CONSUMERS * cfg.store_buffers if cfg.backend == "gluon-hopper" else 1
+    return copies * staging_bytes(cfg, width, size)
+
+
+def gluon_scratch_bytes(graph: Graph, cfg: Config) -> int:
+    """Shared memory the compiler takes for a gluon-hopper epilogue's cross-warp traffic: sums
+    over rows (reduce_m: the 4 warps' partial columns) and grouped reductions (their
+    [rows, groups] result changes layout), each one fp32 subtile at most; pairs, interleave
+    and subtiles take none (their layouts split and join in registers)."""
+    if cfg.backend != "gluon-hopper":
+        return 0
+    moves = any(isinstance(o, ReduceOutput) and (o.axis == "m" or o.group is not None) for o in graph.outputs)
+    return cfg.epi_m * cfg.epi_n * 4 if moves else 0
+
+
+def _widest(graph: Graph) -> Fraction:
+    widths = [n.frac_width for n in graph.nodes if n.kind.has_cols]
+    return max(widths + [s.frac_width for s in graph.operands if s.kind.has_cols] + [Fraction(1)])
+
+
+def triton_scratch_bytes(graph: Graph, cfg: Config, pointer_tiles: bool) -> int:
+    """Shared memory Triton's compiler takes for the epilogue beside its explicit buffers.
+    A Tile operand read through pointers arrives in a vectorized layout, which the compiler
+    converts to the accumulator's (or back) through shared memory: up to one fp32 subtile of
+    the widest value (sm_90 compiles: 32 KB for a 128x256 grouped max beside a bf16 Tile, 128 KB
+    for pairs of a width-2 Tile), none when Tiles come through TMA. Reductions exchange
+    per-warp partials: a [rows or columns, warps] fp32 buffer at most. Row and column vectors
+    (offsets, VecM/VecN operands) change layout too: one int64 vector at most (1 KB beside the
+    explicit buffers in sm_90 compiles of the SwiGLU backward)."""
+    if cfg.backend == "gluon-hopper":
+        return 0
+    cols = int(cfg.epi_n * _widest(graph))
+    convert = cfg.epi_m * cols * 4 if pointer_tiles else 0
+    reduce = (cfg.epi_m + cols) * cfg.num_warps * 4 if any(isinstance(o, ReduceOutput) for o in graph.outputs) else 0
+    return convert + reduce + 8 * max(cfg.epi_m, cols)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A Tile operand or tile output that may move through TMA: its name, width and item size."""
+
+    name: str
+    width: Fraction
+    size: int
+
+
+def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
+                 pointer_tiles: bool) -> int:
+    """Shared memory of a kernel whose `loads` and `stores` move through TMA (`pointer_tiles`:
+    some Tile operand does not). Triton frees a non-flattened K loop's ring for the epilogue
+    (its staged loads and scratch then share those bytes, sm_90 compiles show), but never the
+    TMA stores' buffers, which drain while the next tile runs."""
+    ring = ring_bytes(cfg, in_size)
+    loaded = sum(tile_load_bytes(cfg, s.width, s.size) for s in loads)
+    stored = sum(store_bytes(cfg, s.width, s.size) for s in stores)
+    if cfg.backend == "gluon-hopper":
+        return ring + loaded + stored + gluon_scratch_bytes(graph, cfg) + BARRIER_BYTES
+    epilogue = loaded + triton_scratch_bytes(graph, cfg, pointer_tiles)
+    if cfg.flatten:
+        return ring + stored + epilogue + BARRIER_BYTES
+    return stored + max(ring, epilogue) + BARRIER_BYTES
+
+
+def staging(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
+            tiles: int) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """Which of the TMA-legal `loads` and `stores` move through TMA, and the shared memory then:
+    all of them where that fits, else Tile loads first, then stores, each while it fits (the
+    rest use pointers, so that their staging never makes a config fail). `tiles`: the graph's
+    Tile operands, those not in `loads` being read through pointers."""
+    best = shared_bytes(graph, cfg, in_size, loads, stores, len(loads) < tiles)
+    if best <= HOPPER_SMEM_BYTES:
+        return tuple(s.name for s in loads), tuple(s.name for s in stores), best
+    kept_loads: list[Staged] = []
+    kept_stores: list[Staged] = []
+    for s in loads:
+        if shared_bytes(graph, cfg, in_size, kept_loads + [s], [], len(kept_loads) + 1 < tiles) <= HOPPER_SMEM_BYTES:
+            kept_loads.append(s)
+    pointer_tiles = len(kept_loads) < tiles
+    for s in stores:
+        if shared_bytes(graph, cfg, in_size, kept_loads, kept_stores + [s], pointer_tiles) <= HOPPER_SMEM_BYTES:
+            kept_stores.append(s)
+    total = shared_bytes(graph, cfg, in_size, kept_loads, kept_stores, pointer_tiles)
+    return tuple(s.name for s in kept_loads), tuple(s.name for s in kept_stores), total
+
+
+def _staged(graph: Graph, cfg: Config, in_size: int, out_size: int) -> tuple[list[Staged], list[Staged]]:
+    """Every Tile operand (of `in_size` bytes) and, with tma_store, tile output (`out_size`)."""
+    loads = [Staged(s.name, s.frac_width, in_size) for s in graph.operands if s.kind.value == "tile"]
+    stores = [Staged(o.name, graph.node(o.x).frac_width, out_size) for o in graph.outputs
+              if isinstance(o, StoreOutput)] if cfg.tma_store else []
+    return loads, stores
+
+
+def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
+    """Shared memory of the kernel with every Tile operand of `in_size` bytes loaded and (with
+    tma_store) every tile output of `out_size` stored through TMA: what the tuner admits."""
+    loads, stores = _staged(graph, cfg, in_size, out_size)
+    return shared_bytes(graph, cfg, in_size, loads, stores, False)
+
+
+def run_smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
+    """Shared memory of the kernel the runtime runs for such operands and outputs, all of them
+    TMA-legal: staged while they fit (`staging`), the rest through pointers."""
+    loads, stores = _staged(graph, cfg, in_size, out_size)
+    return staging(graph, cfg, in_size, loads, stores, len(loads))[2]
+
+
+def acc_regs(cfg: Config) -> int:
+    """fp32 accumulator registers per thread (gluon-hopper: per consumer warpgroup)."""
+    return cfg.epi_m * cfg.block_n // (32 * cfg.num_warps)
+
+
+def misfit(cfg: Config, smem: int) -> str | None:
+    """Why `cfg`, needing `smem` bytes of shared memory, does not fit an sm_90 GPU, or None."""
+    if acc_regs(cfg) > MAX_ACC_REGS:
+        return f"its accumulator needs {acc_regs(cfg)} registers a thread (at most {MAX_ACC_REGS})"
+    if smem > HOPPER_SMEM_BYTES:
+        return f"it needs {smem} bytes of shared memory (at most {HOPPER_SMEM_BYTES})"
+    return None

@@ -72,6 +72,7 @@ def test_loss_and_every_gradient_match_hf_in_fp32(tied: bool, rope: dict | None,
         assert rel(mine[name], g) < 1e-5, f"{name}: relative error {rel(mine[name], g):.3g}"
 
 
+@pytest.mark.slow
 def test_training_steps_track_hf_in_fp32() -> None:
     """Several AdamW steps at a large learning rate: every loss, and each weight's update, match HF's.
     A single step's gradients can be right while something carried between steps (a cached
@@ -127,6 +128,7 @@ def test_logits_without_labels_match_hf() -> None:
     assert rel(out.logits, ref.logits) < 1e-5
 
 
+@pytest.mark.slow
 def test_compiled_fullgraph_and_checkpointed_give_the_eager_results() -> None:
     torch._dynamo.reset()
     hf = hf_llama(True)

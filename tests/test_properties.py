@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Optional
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
@@ -483,6 +484,7 @@ def int_matrix(rows: int, cols: int, dtype: torch.dtype, col_major: bool, gen: t
     return t
 
 
+@pytest.mark.slow
 @settings(max_examples=scale(300, 40), **SETTINGS)
 @given(case=cases())
 def test_random_epilogue_matches_reference(case: Case) -> None:

@@ -2,7 +2,8 @@
 
 On the CPU the blocks run through Triton's interpreter at their tiny shapes. A block whose first
 line is `# gpu-only` is skipped without a CUDA device; on a GPU every block runs with CUDA as
-torch's default device. A block that imports transformers is skipped where it is not installed.
+torch's default device. A block that imports transformers (the whole model) is marked slow and is
+skipped where transformers is not installed.
 """
 
 from __future__ import annotations
@@ -41,12 +42,21 @@ def test_the_extractor_sees_fences_only_at_line_starts() -> None:
     assert python_blocks(text) == [(3, "a = 1\n"), (9, "# gpu-only\nb = 2\n")]
 
 
-@pytest.mark.parametrize("line,code", BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
+def _uses_transformers(code: str) -> bool:
+    return re.search(r"^\s*import .*\btransformers\b", code, re.M) is not None
+
+
+# The whole-model block takes 30-45 s through the interpreter: slow (pytest -m "not slow" leaves it out).
+PARAMS = [pytest.param(line, code, id=f"line{line}", marks=[pytest.mark.slow] if _uses_transformers(code) else [])
+          for line, code in BLOCKS]
+
+
+@pytest.mark.parametrize("line,code", PARAMS)
 def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
     gpu = torch.cuda.is_available()
     if code.lstrip().startswith(GPU_ONLY) and not gpu:
         pytest.skip("marked gpu-only")
-    if re.search(r"^\s*import .*\btransformers\b", code, re.M) and importlib.util.find_spec("transformers") is None:
+    if _uses_transformers(code) and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
     prelude = "import torch\ntorch.set_default_device('cuda')\n" if gpu else ""
     script = tmp_path / f"readme_line{line}.py"

@@ -28,6 +28,7 @@ def run(*args: str) -> None:
                    timeout=600, capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GPU, reason="the CPU smoke mode; on a GPU the script itself is the test")
 def test_tiny_run_writes_the_issue_rows(tmp_path: Path) -> None:
     run("--tiny", "--variants", "coda_compile,hf_liger", "--warmup", "0", "--out", str(tmp_path))

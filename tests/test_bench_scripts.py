@@ -17,6 +17,9 @@ harness = pytest.importorskip("harness")
 
 from conftest import DEVICE, GPU, assert_close  # noqa: E402
 
+# Every test here runs a benchmark script or its sm_90 compile: slow under the interpreter.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def cpu_harness(monkeypatch: pytest.MonkeyPatch):
@@ -52,7 +55,6 @@ def test_gemm_epilogues_script(cpu_harness) -> None:
     assert "| swiglu | 40 | 48 | 32 |" in ge.table(ge.summarize(cpu_harness.ROWS))
 
 
-@pytest.mark.slow
 def test_ops_block_script(cpu_harness) -> None:
     import ops_block as ob
 
@@ -68,7 +70,6 @@ def test_ops_block_script(cpu_harness) -> None:
     assert {r["op"] for r in cpu_harness.ROWS if r["variant"] == "coda_native_layout"} == {"block_fwd", "block_fwdbwd"}
 
 
-@pytest.mark.slow
 def test_block_steps_return_both_outputs_apart_and_pass_their_checks(cpu_harness) -> None:
     """Each timed block step returns (x2, qkv) as two tensors (no copy into one tensor inside the
     timing, which SoL does not make either), and its check joins them for the fp32 reference."""
@@ -112,7 +113,6 @@ def test_host_overhead_script() -> None:
     assert_close(coda.gemm(a, b), a @ b, a, b, "a real kernel after the script")
 
 
-@pytest.mark.slow
 def test_block_kernels_script(cpu_harness) -> None:
     """Every GEMM of a tiny block, recorded and replayed on each backend: on the CPU the Triton
     replay passes its fp32 check and gluon-hopper is refused with its reason (the interpreter);
@@ -316,7 +316,6 @@ def test_timeline_instruments_the_generated_gluon_source() -> None:
     assert "_sigmoid = gluon.jit(_jh._sigmoid.fn)" in exact and timeline.exact_sigmoid(text) == text
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(GPU, reason="the CPU tier's check (the GPU tier runs the script itself)")
 @pytest.mark.parametrize("variant", ["as_generated", "late_eturn", "exact_sigmoid"])
 def test_timeline_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:

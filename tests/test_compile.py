@@ -135,6 +135,7 @@ def test_inductor_fallbacks_wait_for_the_first_trace(tmp_path):
     assert proc.stdout.startswith("ok")
 
 
+@pytest.mark.slow
 def test_explicit_inductor_fallbacks():
     """On torch < 2.13 coda registers its custom ops as explicit Inductor fallbacks when they are
     defined (runtime/inductor.py: that torch printed an implicit fallback's argument IR eagerly,

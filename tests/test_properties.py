@@ -93,6 +93,7 @@ def gemm_shapes(draw: st.DrawFn, even_n: bool) -> tuple[int, int, int]:
 layouts = st.tuples(st.sampled_from(FLOAT_DTYPES), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=scale(60, 25), **SETTINGS)
 @given(shape=gemm_shapes(even_n=False), layout=layouts, config=configs)
 def test_plain_gemm_shapes(shape: tuple[int, int, int], layout: tuple[torch.dtype, bool, bool, int],
@@ -105,6 +106,7 @@ def test_plain_gemm_shapes(shape: tuple[int, int, int], layout: tuple[torch.dtyp
     compare(graph, out, a.float() @ b.float(), a, b)
 
 
+@pytest.mark.slow
 @settings(max_examples=scale(60, 25), **SETTINGS)
 @given(shape=gemm_shapes(even_n=True), layout=layouts, config=configs)
 def test_swiglu_shapes(shape: tuple[int, int, int], layout: tuple[torch.dtype, bool, bool, int],

@@ -20,6 +20,9 @@ import pytest
 
 from coda.runtime.aot import HOPPER_SMEM_BYTES
 
+# Every test here compiles kernels for sm_90 in a fresh process: slow.
+pytestmark = pytest.mark.slow
+
 SCRIPT = textwrap.dedent('''
     import contextlib, io, json, re, subprocess, sys
     from pathlib import Path

@@ -286,6 +286,7 @@ def _check_compiled(what: str, result: dict) -> None:
     assert result["ptxas_logged"], f"{numbers}: no spill line in the ptxas log"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EPILOGUES)
 def test_epilogue_compiles_with_wgmma_within_shared_memory(worker: Worker, name: str) -> None:
     result = worker.results[name] = worker.ask(op="epilogue", name=name, a_col=False, b_col=True)
@@ -303,6 +304,7 @@ def test_epilogue_compiles_with_wgmma_within_shared_memory(worker: Worker, name:
         f"({result['config']})")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "rms_swiglu"])
 @pytest.mark.parametrize("a_col", [False, True], ids=["a_row", "a_col"])
 @pytest.mark.parametrize("b_col", [False, True], ids=["b_row", "b_col"])
@@ -319,6 +321,7 @@ def test_memory_orders_compile(worker: Worker, name: str, a_col: bool, b_col: bo
 LOOP_SPILLS = {"swiglu_backward_zdz": (0, 0), "rms_rope": (0, 0), "rmsnorm_backward_residual": (272, 276)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LOOP_SPILLS))
 def test_epilogue_loop_compiles(worker: Worker, name: str) -> None:
     result = worker.results[f"{name} loop"] = worker.ask(op="epilogue", name=name, a_col=False, b_col=True,
@@ -335,6 +338,7 @@ COOP_SPILLS = {"plain": (0, 0), "residual_norm_stats": (0, 0), "rmsnorm_backward
                "rms_rope": (0, 0), "rms_swiglu": (0, 0), "swiglu_backward_zdz": (0, 0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COOP_SPILLS))
 def test_cooperative_compiles(worker: Worker, name: str) -> None:
     result = worker.results[f"{name} coop"] = worker.ask(op="epilogue", name=name, a_col=False, b_col=True,
@@ -344,6 +348,7 @@ def test_cooperative_compiles(worker: Worker, name: str) -> None:
     assert stores <= COOP_SPILLS[name][0] and loads <= COOP_SPILLS[name][1], (name, result["spill_bytes"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("a_col", [False, True], ids=["a_row", "a_col"])
 @pytest.mark.parametrize("b_col", [False, True], ids=["b_row", "b_col"])
 def test_cooperative_memory_orders_compile(worker: Worker, a_col: bool, b_col: bool) -> None:
@@ -353,6 +358,7 @@ def test_cooperative_memory_orders_compile(worker: Worker, a_col: bool, b_col: b
     _check_compiled("rms_swiglu (cooperative)", result)
 
 
+@pytest.mark.slow
 def test_int32_positions_compile(worker: Worker) -> None:
     result = worker.results["rope pos int32"] = worker.ask(op="epilogue", name="rope", pos_dtype="int32",
                                                            a_col=False, b_col=True)
@@ -367,6 +373,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 # No shrinking: every step would be a compile of a few seconds (minutes in all); a failure shows
 # its program's source and the worker's reply (note()).
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(program=programs(64, 64, 32), in_dtype=st.sampled_from(["bfloat16", "bfloat16", "float16", "float32"]),
@@ -429,6 +436,7 @@ def test_eturn_handoff_subtile() -> None:
     assert [_eturn_handoff(s, e) for s, e in ((4, 2), (4, 4), (1, 2), (8, 2), (2, 3))] == [2, 0, 0, 6, 0]
 
 
+@pytest.mark.slow
 def test_gluon_clusters_do_not_multicast_tma_loads_on_sm90(tmp_path: Path) -> None:
     """What bench/tools/probe_multicast.py finds in triton 3.6: a 2-CTA cluster launch compiles, but a TMA
     load into a tile both CTAs hold stays one plain load per CTA, not `.multicast::cluster`. So

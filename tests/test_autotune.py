@@ -413,6 +413,7 @@ def _result(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_fresh_process_reuses_the_tuning_cache(tmp_path: Path) -> None:
     first = _result(_spawn(tmp_path, 0.0))
     second = _result(_spawn(tmp_path, 0.0))
@@ -420,6 +421,7 @@ def test_a_fresh_process_reuses_the_tuning_cache(tmp_path: Path) -> None:
     assert first["config"] == second["config"]
 
 
+@pytest.mark.slow
 def test_two_processes_tuning_at_once(tmp_path: Path) -> None:
     procs = [_spawn(tmp_path, 0.02), _spawn(tmp_path, 0.02)]
     results = [_result(p) for p in procs]
@@ -430,6 +432,7 @@ def test_two_processes_tuning_at_once(tmp_path: Path) -> None:
     assert not list((tmp_path / "tuning").glob(".*.tmp"))  # atomic writes leave no temporaries
 
 
+@pytest.mark.slow
 def test_tune_command(tmp_path: Path) -> None:
     """Without a GPU `coda tune` refuses clearly; with one it tunes and reports the winner
     (also under CODA_AUTOTUNE=0, which skips tuning in gemm() but not in the tune command)."""

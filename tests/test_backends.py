@@ -240,6 +240,7 @@ def _random_operands(graph, m: int, n: int) -> dict[str, object]:
     return ops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gluon-hopper", "triton"] if GPU else ["triton"])
 @pytest.mark.parametrize("name", sorted(EPILOGUES))
 def test_block_epilogues_are_deterministic(name: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:

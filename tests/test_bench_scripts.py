@@ -18,6 +18,9 @@ harness = pytest.importorskip("harness")
 
 from conftest import DEVICE, GPU, assert_close  # noqa: E402
 
+# Every test here runs a benchmark script or its sm_90 compile: slow under the interpreter.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def cpu_harness(monkeypatch: pytest.MonkeyPatch):

@@ -101,6 +101,7 @@ def test_native_weights_round_trip_and_reject_bad_shapes() -> None:
         block_segment(torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(4, dtype=torch.long), w.tensors())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["standard", "native"])
 def test_block_traces_into_one_graph(layout: str) -> None:
     """torch.compile(fullgraph=True) sees the segment as custom ops and gives the same results."""

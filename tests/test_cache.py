@@ -69,6 +69,7 @@ def kernel_files(cache: Path, graph_hash: str) -> list[Path]:
     return [p for p in cache.rglob("*.py") if graph_hash in p.read_text(errors="replace")]
 
 
+@pytest.mark.slow
 def test_fresh_process_reuses_disk_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = run_script(tmp_path, cache, 0.5, hash_seed=1)
@@ -122,6 +123,7 @@ def filled_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     return cache, dict(zip(CORRUPTIONS, first["calls"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(CORRUPTIONS))
 def test_corrupt_cache_file_is_regenerated(filled_cache: tuple[Path, dict[str, dict]], tmp_path: Path,
                                            damage: str) -> None:

@@ -38,6 +38,7 @@ def _inputs():
     return randn(M, K), randn(K, N), randn(M, N), torch.rand(M, device=DEVICE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_user_epilogue_fullgraph(backend):
     a, b, g, r = _inputs()
@@ -124,6 +125,7 @@ print("ok", len(waiting))
 """
 
 
+@pytest.mark.slow
 def test_inductor_fallbacks_wait_for_the_first_trace(tmp_path):
     """On torch < 2.13 `import coda` does not import Inductor's lowering module (seconds): its ops
     wait, and the first fake-kernel call (tracing) registers every waiting op as a fallback."""
@@ -133,6 +135,7 @@ def test_inductor_fallbacks_wait_for_the_first_trace(tmp_path):
     assert proc.stdout.startswith("ok")
 
 
+@pytest.mark.slow
 def test_explicit_inductor_fallbacks():
     """On torch < 2.13 coda registers its custom ops as explicit Inductor fallbacks when they are
     defined (runtime/inductor.py: that torch printed an implicit fallback's argument IR eagerly,

@@ -171,18 +171,22 @@ def _check(runs: dict, world: int, tied: bool) -> None:
     assert moved == list(start)  # every weight took both steps (weight decay alone moves each one)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_unsharded_fp32_tied_checkpointed(tmp_path: Path) -> None:
     _check(_launch(tmp_path, 2, tied=True, checkpoint=True, dtype="fp32"), 2, tied=True)
 
 
+@pytest.mark.slow
 def test_one_rank_sharded_equals_unsharded_fp32(tmp_path: Path) -> None:
     _check(_launch(tmp_path, 1, tied=False, checkpoint=False, dtype="fp32"), 1, tied=False)
 
 
+@pytest.mark.slow
 def test_two_ranks_bf16_params_fp32_reduce_equal_reference(tmp_path: Path) -> None:
     _check(_launch(tmp_path, 2, tied=False, checkpoint=False, dtype="bf16"), 2, tied=False)
 
 
+@pytest.mark.slow
 def test_train_fsdp_script_tiny_two_ranks_with_reference(tmp_path: Path) -> None:
     """bench/tools/train_fsdp.py --tiny under torchrun (2 gloo ranks, bf16 params, checkpointing): its
     progress lines and files, and its unsharded reference's losses equal to the sharded run's (the

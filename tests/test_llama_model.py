@@ -52,6 +52,7 @@ def hf_grads(model) -> dict[str, torch.Tensor]:
     return sd
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied,rope,offset", [(False, LLAMA3_ROPE, 300), (True, None, None)],
                          ids=["untied-llama3_rope-position_ids", "tied"])
 def test_loss_and_every_gradient_match_hf_in_fp32(tied: bool, rope: dict | None, offset: int | None) -> None:
@@ -72,6 +73,7 @@ def test_loss_and_every_gradient_match_hf_in_fp32(tied: bool, rope: dict | None,
         assert rel(mine[name], g) < 1e-5, f"{name}: relative error {rel(mine[name], g):.3g}"
 
 
+@pytest.mark.slow
 def test_training_steps_track_hf_in_fp32() -> None:
     """Several AdamW steps at a large learning rate: every loss, and each weight's update, match HF's.
     A single step's gradients can be right while something carried between steps (a cached
@@ -127,6 +129,7 @@ def test_logits_without_labels_match_hf() -> None:
     assert rel(out.logits, ref.logits) < 1e-5
 
 
+@pytest.mark.slow
 def test_compiled_fullgraph_and_checkpointed_give_the_eager_results() -> None:
     torch._dynamo.reset()
     hf = hf_llama(True)
@@ -145,6 +148,7 @@ def test_compiled_fullgraph_and_checkpointed_give_the_eager_results() -> None:
             torch.testing.assert_close(g[name], g0[name], msg=name)
 
 
+@pytest.mark.slow
 def test_bf16_error_is_within_hf_bf16_error() -> None:
     """Against HF in fp32 (same weights, rounded to bf16 first): coda's bf16 loss and gradients are
     no further off than HF's own bf16 run (with a factor for the different rounding points)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable, Optional
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
@@ -92,6 +93,7 @@ def gemm_shapes(draw: st.DrawFn, even_n: bool) -> tuple[int, int, int]:
 layouts = st.tuples(st.sampled_from(FLOAT_DTYPES), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=scale(60, 25), **SETTINGS)
 @given(shape=gemm_shapes(even_n=False), layout=layouts, config=configs)
 def test_plain_gemm_shapes(shape: tuple[int, int, int], layout: tuple[torch.dtype, bool, bool, int],
@@ -104,6 +106,7 @@ def test_plain_gemm_shapes(shape: tuple[int, int, int], layout: tuple[torch.dtyp
     compare(graph, out, a.float() @ b.float(), a, b)
 
 
+@pytest.mark.slow
 @settings(max_examples=scale(60, 25), **SETTINGS)
 @given(shape=gemm_shapes(even_n=True), layout=layouts, config=configs)
 def test_swiglu_shapes(shape: tuple[int, int, int], layout: tuple[torch.dtype, bool, bool, int],
@@ -483,6 +486,7 @@ def int_matrix(rows: int, cols: int, dtype: torch.dtype, col_major: bool, gen: t
     return t
 
 
+@pytest.mark.slow
 @settings(max_examples=scale(300, 40), **SETTINGS)
 @given(case=cases())
 def test_random_epilogue_matches_reference(case: Case) -> None:

@@ -124,7 +124,7 @@ def make_plan(call: Call, cfg: Config, interpret: bool) -> Plan:
 
 
 def gemm(a: object, b: object, epilogue: object = None, *, out: object = None, **operands: object):
-    """epilogue(a @ b) in one persistent GEMM kernel. See coda's README for the contract."""
+    """epilogue(a @ b) in one persistent GEMM kernel. The contract: docs/DESIGN.md, "The contract"."""
     return guard.gemm(a, b, epilogue, out, operands)  # autograd, aliasing, torch.compile: coda.runtime.guard
 
 

@@ -5,7 +5,8 @@
   small config so that every output spans several tiles.
 * Random epilogue programs over every primitive: operands of each kind and width
   (float, integer and bool), row/column indices, unary functions, arithmetic,
-  comparisons and where, maximum/minimum, pairs/interleave, and 1-3 outputs including
+  comparisons and where, maximum/minimum, pairs/interleave, group_sum/group_max values
+  (groups of 2-8 columns at any width), and 1-3 outputs including
   reduce_n sum/max/logsumexp, reduce_n group=2 and reduce_m sum.
 * IR properties: tracing is deterministic, the hash tells programs apart, the graph
   survives its canonical JSON, printing names every output.
@@ -380,7 +381,27 @@ class Builder:
         arg = "" if w == 1 else repr(float(w))
         self.emit(f"coda.col_index({arg})", kind=Kind.VEC_N, width=w, dtype="int", mag=float(self.n * w))
 
-    STEPS = ("unary_exact", "squash", "squash", "binary", "binary", "compare_where", "pairs", "interleave", "index")
+    def group(self) -> None:
+        """group_sum / group_max of a tile, in groups whole in N and in every epilogue subtile
+        (EPI_N columns at the value's width). A sum is exact when its inputs and partial sums
+        are; otherwise its summation order differs from torch's by at most g^2 * mag eps32."""
+        x = self.pick(self.values(lambda v: v.kind == Kind.TILE))
+        sizes = [g for g in (2, 4, 8) if (self.n * x.width) % g == 0 and (BLOCKS["block_n"] * x.width) % g == 0]
+        if not sizes:
+            return
+        g = self.draw(st.sampled_from(sizes))
+        if self.draw(st.booleans()):
+            self.emit(f"coda.group_max({x.expr}, {g})", **_selected(x.kind, x.width, x))
+            return
+        mag = g * x.mag
+        if x.exact and _exactly(mag, x.frac):
+            self.emit(f"coda.group_sum({x.expr}, {g})", kind=x.kind, width=x.width, dtype="float", mag=mag, frac=x.frac)
+        else:
+            self.emit(f"coda.group_sum({x.expr}, {g})", kind=x.kind, width=x.width, dtype="float", mag=mag,
+                      err=g * x.err + g * g * x.mag)
+
+    STEPS = ("unary_exact", "squash", "squash", "binary", "binary", "compare_where", "pairs", "interleave", "index",
+             "group")
 
     def unused(self) -> list[Val]:
         """Pool values that no statement reads yet (newest last)."""
@@ -532,15 +553,18 @@ VARIANTS: dict[str, tuple] = {
     "out_name": ("y", "z", "h"),
     "reduce_op": ("sum", "max", "logsumexp"),
     "group": (None, 2, 4),
+    "value_group": (None, ("sum", 2), ("sum", 4), ("max", 2)),
 }
 
 
 def family(const: float, width: float, unary: str, binop: str, out_name: str, reduce_op: str,
-           group: Optional[int]) -> Graph:
+           group: Optional[int], value_group: Optional[tuple[str, int]]) -> Graph:
     """One epilogue shape, with each constant, operand width, op and name a parameter."""
 
     def member(acc, t: coda.Tile(width=width)):
         y = BINOPS[binop](getattr(coda, unary)(acc), const)
+        if value_group is not None:
+            y = getattr(coda, f"group_{value_group[0]}")(y, value_group[1])
         return {out_name: y, "t": t + 1.0, "r": coda.reduce_n(acc, reduce_op, group=group)}
 
     return coda.epilogue(member).graph
@@ -570,13 +594,16 @@ def test_random_programs_cover_every_primitive() -> None:
         for node in graph.nodes:
             seen.add(node.family)
             seen.add(getattr(node, "fn", node.family))
+            if node.family == "group":
+                seen.add(f"group_{node.op}")
         for o in graph.outputs:
             seen.add(o.family if isinstance(o, StoreOutput) else f"reduce_{o.axis}_{o.op}_{o.group}")
         seen.update(f"{p.kind.value}_{p.width}" for p in program.params)
         seen.update(str(p.dtype) for p in program.params)
 
     collect()
-    expected = {"input", "const", "index", "unary", "binary", "where", "pair", "interleave", "store",
+    expected = {"input", "const", "index", "unary", "binary", "where", "pair", "interleave", "group", "group_sum",
+                "group_max", "store",
                 *UNARY_FNS, *BINARY_FNS, "reduce_n_sum_None", "reduce_n_max_None", "reduce_n_logsumexp_None",
                 "reduce_n_sum_2", "reduce_m_sum_None",
                 *(f"{k}_{w}" for k in ("vec_n", "tile") for w in WIDTHS), "scalar_1", "vec_m_1",

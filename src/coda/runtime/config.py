@@ -141,12 +141,11 @@ def gluon_constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]
 
 
 def min_block_n(graph: Graph) -> int:
-    """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction."""
+    """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction
+    (outputs and group_sum / group_max values)."""
     need = 16
-    for out in graph.outputs:
-        if isinstance(out, ReduceOutput) and out.group is not None:
-            width = graph.node(out.x).frac_width
-            need = max(need, int(Fraction(out.group) / width))
+    for _, group, width in graph.column_groups():
+        need = max(need, int(Fraction(group) / width))
     return need
 
 
@@ -242,12 +241,15 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
         return Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
     for subtile in (4, 8):
         block_n = max(128, need * subtile)
+        if block_n > 256:  # past what a 64-row consumer accumulator holds (wide groups: fewer subtiles)
+            continue
         cfg = Config(backend="gluon-hopper", block_m=128 if block_n <= 128 else 64, block_n=block_n, block_k=64,
                      num_warps=4, num_stages=4, subtile=subtile, epilogue_loop=loop)
         if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
             return cfg
-    return Config(backend="gluon-hopper", block_m=128 if need <= 32 else 64, block_n=max(128, need * 4), block_k=64,
-                  num_warps=4, num_stages=3, subtile=4, epilogue_loop=loop)
+    subtile = max(1, min(4, 256 // need))
+    return Config(backend="gluon-hopper", block_m=128 if need <= 32 else 64, block_n=max(128, need * subtile), block_k=64,
+                  num_warps=4, num_stages=3, subtile=subtile, epilogue_loop=loop)
 
 
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:

@@ -519,6 +519,34 @@ def test_random_epilogue_matches_reference(case: Case) -> None:
         compare(ep.graph, out, ep.reference(a, b, **operands), a, b)
 
 
+@st.composite
+def qknorm_cases(draw: st.DrawFn) -> tuple:
+    """(head_dim, heads, kv_heads, M, K): N = (heads + 2 kv_heads) head_dim, a multiple of the group."""
+    return (draw(st.sampled_from([4, 8, 16])), draw(st.integers(1, 3)), draw(st.integers(1, 2)),
+            draw(st.integers(1, M_MAX)), draw(st.integers(1, K_MAX)))
+
+
+@settings(max_examples=scale(40, 25), **SETTINGS)
+@given(case=qknorm_cases(), layout=layouts, config=configs)
+def test_qknorm_rope_shapes(case: tuple, layout: tuple[torch.dtype, bool, bool, int], config: coda.Config) -> None:
+    """The QK-norm epilogue (group_sum values over each head, then pairs) on ragged M and K, both
+    memory orders, every dtype and config: integer a and b and quarter-step operands keep the
+    accumulator, row scale and sums of squares exact, so only rsqrt, sin and cos round."""
+    (hd, heads, kv, m, k), (dtype, a_col, b_col, seed) = case, layout
+    gen = torch.Generator().manual_seed(seed)
+    n = (heads + 2 * kv) * hd
+    a, b = int_matrix(m, k, dtype, a_col, gen), int_matrix(k, n, dtype, b_col, gen)
+    quarter = lambda *shape: (torch.randint(1, 5, shape, generator=gen) / 4).to(DEVICE)  # noqa: E731
+    weight, mask = coda.ops.qknorm_columns(quarter(hd) - 0.5, quarter(hd), heads, kv)
+    freq = torch.cat([torch.randint(0, 64, ((heads + kv) * hd // 2,), generator=gen) / 64,
+                      torch.zeros(kv * hd // 2)]).to(DEVICE)
+    operands = dict(rstd=quarter(m), qk_weight=weight, qk_mask=mask, eps=2.0**-10,
+                    pos=torch.randint(0, 32, (m,), generator=gen).to(DEVICE), freq=freq)
+    ep = coda.ops.epilogues.rms_qknorm_rope(hd)
+    out = coda.runtime.run(ep.graph, a, b, operands, config=config)
+    compare(ep.graph, out, ep.reference(a, b, **operands), a, b)
+
+
 # -- c. IR properties --------------------------------------------------------------------
 
 small_programs = programs(8, 8, 4)

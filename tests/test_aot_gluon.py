@@ -392,6 +392,23 @@ def test_qknorm_compiles(worker: Worker, name: str, config: str | None) -> None:
     assert stores <= bound[0] and loads <= bound[1], f"{name} {result['config']}: spills {[stores, loads]} > {list(bound)}"
 
 
+GROUP_WIDTHS = """\
+def random_epilogue(acc, h: coda.Tile(width=2)):
+    gate, up = coda.pairs(acc)
+    return {"a": coda.group_max(gate, 8) * up, "b": coda.interleave(gate, up) + coda.pairs(coda.group_sum(h, 32))[0],
+            "c": coda.group_max(acc, 16)}
+"""
+
+
+def test_group_values_of_every_width_compile(worker: Worker) -> None:
+    """group_max / group_sum of half-, full- and double-width values (the EPI_H / EPI / EPI_2 layouts,
+    the default's epilogue loop for width 2) compile; measured without spills."""
+    result = worker.results["group widths"] = worker.ask(op="program", source=GROUP_WIDTHS, dtypes={"h": "bfloat16"},
+                                                         in_dtype="bfloat16", a_col=False, b_col=True, k=128, n=256)
+    _check_compiled("group widths", result)
+    assert result["spill_bytes"] == [0, 0], result
+
+
 # -- random epilogue programs ---------------------------------------------------------------
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",

@@ -133,6 +133,30 @@ def group_not_int(acc):
     return coda.reduce_n(acc, "sum", group=4.0)
 
 
+def group_sum_not_power_of_two(acc):
+    return acc * coda.group_sum(acc, 6)
+
+
+def group_sum_of_one(acc):
+    return acc * coda.group_sum(acc, 1)
+
+
+def group_max_not_int(acc):
+    return coda.group_max(acc, 4.0)
+
+
+def group_sum_of_vec_n(acc, w: coda.VecN):
+    return acc * coda.group_sum(w, 2)
+
+
+def group_sum_of_reduction(acc):
+    return coda.group_sum(coda.reduce_n(acc, "sum"), 2)
+
+
+def reduction_as_value_hint(acc):
+    return acc * coda.reduce_n(acc * acc, "sum", group=4)
+
+
 def reduce_of_vec_m(acc, r: coda.VecM):
     return {"y": acc, "s": coda.reduce_n(r, "sum")}
 
@@ -212,6 +236,12 @@ PROGRAMS: list[tuple[Callable, type[Exception], str]] = [
     (group_not_power_of_two, ValueError, r"group must be a positive power of two, got 3"),
     (group_not_int, TypeError, r"reduce_n group must be an int, got float"),
     (reduce_of_vec_m, TypeError, r"needs a tile, got a vec_m"),
+    (group_sum_not_power_of_two, ValueError, r"coda.group_sum: the group size must be a power of two >= 2 .*got 6"),
+    (group_sum_of_one, ValueError, r"coda.group_sum: the group size must be a power of two >= 2 .*got 1"),
+    (group_max_not_int, TypeError, r"coda.group_max: the group size must be an int, got float"),
+    (group_sum_of_vec_n, TypeError, r"coda.group_sum needs a tile \(groups of columns within each row\), got a vec_n"),
+    (group_sum_of_reduction, TypeError, r"reduction \(reduce_n 'sum'\) is an output only.*coda.group_sum"),
+    (reduction_as_value_hint, TypeError, r"is an output only.*for per-group statistics as values use coda.group_sum"),
     (reserved_out, ValueError, r"parameter name 'out' is reserved"),
     (reserved_a, ValueError, r"parameter name 'a' is reserved"),
     (private_name, ValueError, r"parameter '_r' is not a valid name"),
@@ -463,6 +493,17 @@ def wide_head_sums(acc):
 
 
 @coda.epilogue
+def head_norm(acc):
+    return acc * coda.rsqrt(coda.group_sum(acc * acc, 32) + 1.0)
+
+
+@coda.epilogue
+def half_head_max(acc):
+    even, _ = coda.pairs(acc)
+    return {"y": acc, "m": coda.group_max(even, 16)}
+
+
+@coda.epilogue
 def two_outputs(acc):
     return {"y": acc * 2.0, "s": coda.reduce_n(acc, "sum")}
 
@@ -478,8 +519,31 @@ def test_half_width_operand_needs_even_n() -> None:
 
 
 def test_group_must_divide_n() -> None:
-    with pytest.raises(ValueError, match=r"reduction 'out' sums groups of 4 columns, but its input has 22 columns"):
+    with pytest.raises(ValueError, match=r"reduction 'out' reduces groups of 4 columns, but its input has 22 columns"):
         coda.gemm(randn(M, K), randn(K, N), head_sums)
+
+
+@pytest.mark.parametrize("ep, n, match", [
+    (head_norm, 48, r"group_sum \(node %\d+\) reduces groups of 32 columns, but its input has 48 columns"),
+    (half_head_max, 48, r"group_max \(node %\d+\) reduces groups of 16 columns, but its input has 24 columns"),
+], ids=["full_width", "half_width"])
+def test_value_group_must_divide_n(ep, n: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        coda.gemm(randn(M, K), randn(K, n), ep)
+
+
+@pytest.mark.parametrize("ep", [head_norm, half_head_max], ids=["full_width", "half_width"])
+def test_block_n_too_small_for_value_group(ep) -> None:
+    """A subtile must hold whole groups (a half-width value's 16-column groups span 32 of N):
+    never partial-group sums; the default config takes wide enough tiles."""
+    a, b = randn(M, K), randn(K, 64)
+    with pytest.raises(ValueError, match=r"Config.block_n=64 with subtile=4 is too small: grouped reductions need "
+                                         r"block_n // subtile >= 32"):
+        coda.runtime.run(ep.graph, a, b, {}, config=coda.Config(block_m=16, block_n=64, block_k=16, subtile=4))
+    out = coda.gemm(a, b, ep)
+    ref = ep.reference(a, b)
+    for got, want in zip(*(x.values() if isinstance(x, dict) else [x] for x in (out, ref))):
+        assert_close(got, want, a, b, ep.graph.name)
 
 
 def test_out_tensor_for_multi_output_epilogue() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -99,3 +100,62 @@ def test_rmsnorm_backward_epilogues() -> None:
     res = coda.gemm(dz, w, E.rmsnorm_backward_residual, out={"dx": grad}, grad=grad, **ops)
     assert res["dx"] is grad
     close(grad, expected, N, "dx accumulated in place")
+
+
+def _qknorm_block_torch(x, g, wq, wk, wv, qw, kw, pos, inv, heads, kv, hd, eps):
+    """Standard layout: input RMSNorm, separate q/k/v, per-head RMSNorm of q and k, half-split RoPE."""
+    m = x.shape[0]
+    h = F.rms_norm(x, (x.shape[1],), g, eps)
+    theta = pos[:, None].float() * inv[None, :]
+    cos, sin = torch.cat([theta.cos()] * 2, -1)[:, None], torch.cat([theta.sin()] * 2, -1)[:, None]
+
+    def norm_rope(t, n, w):
+        t = F.rms_norm(t.reshape(m, n, hd), (hd,), w, eps)
+        return (t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin).reshape(m, n * hd)
+
+    return norm_rope(h @ wq.T, heads, qw), norm_rope(h @ wk.T, kv, kw), h @ wv.T
+
+
+@pytest.mark.parametrize("hd", [16, 32])
+def test_qknorm_rope_forward_and_backward_match_autograd(hd: int) -> None:
+    """rms_qknorm_rope and qknorm_rope_backward (+ rmsnorm_backward for dx) against autograd of
+    the standard-layout block front: q/k/v, every gradient (x, g, Wq, Wk, Wv, q/k norm weights)."""
+    from coda.ops import permute_rope_rows, qknorm_columns, qknorm_weight_grads, unpermute_rope_rows
+
+    heads, kv, eps, d = 2, 1, 1e-6, D
+    leaves = [rn(M, d), 1 + 0.1 * rn(d), rn(heads * hd, d), rn(kv * hd, d), rn(kv * hd, d), 1 + 0.3 * rn(hd),
+              1 + 0.3 * rn(hd)]
+    x, g, wq, wk, wv, qw, kw = (t.requires_grad_() for t in leaves)
+    pos = torch.arange(M, device=DEVICE) * 3
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, device=DEVICE).float() / hd)
+    q, k, v = _qknorm_block_torch(x, g, wq, wk, wv, qw, kw, pos, inv, heads, kv, hd, eps)
+    gq, gk, gv = rn(*q.shape), rn(*k.shape), rn(*v.shape)
+    ((q * gq).sum() + (k * gk).sum() + (v * gv).sum()).backward()
+
+    with torch.no_grad():
+        rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+        hg = x * g  # what the producer stores (section 1); the QKV GEMM applies rstd
+        w_qkv = torch.cat([permute_rope_rows(wq, heads, hd), permute_rope_rows(wk, kv, hd), wv])
+        qk_weight, qk_mask = qknorm_columns(qw, kw, heads, kv)
+        freq = torch.cat([inv.repeat(heads + kv), torch.zeros(kv * hd // 2, device=DEVICE)])
+        ops = dict(rstd=rstd, qk_weight=qk_weight, qk_mask=qk_mask, eps=eps, pos=pos, freq=freq)
+        qkv = coda.gemm(hg, w_qkv.T, E.rms_qknorm_rope(hd), **ops)
+        nq = heads * hd
+        close(unpermute_rope_rows(qkv[:, :nq].T, heads, hd).T, q, d, "q")
+        close(unpermute_rope_rows(qkv[:, nq:nq + kv * hd].T, kv, hd).T, k, d, "k")
+        close(qkv[:, nq + kv * hd:], v, d, "v")
+
+        grad = torch.cat([permute_rope_rows(gq.T, heads, hd).T, permute_rope_rows(gk.T, kv, hd).T, gv], 1)
+        back = coda.gemm(hg, w_qkv.T, E.qknorm_rope_backward(hd), grad=grad, **ops)
+        dqw, dkw = qknorm_weight_grads(back["dw"], heads, kv, hd)
+        close(dqw, qw.grad, d, "q norm weight grad")
+        close(dkw, kw.grad, d, "k norm weight grad")
+        n = w_qkv.shape[0]
+        dx = coda.gemm(back["du"], w_qkv, E.rmsnorm_backward, x=x, norm_weight=g, rstd=rstd,
+                       zdz_over_d=back["zdz"] / d)
+        close(dx["dx"], x.grad, n, "dx")
+        close(dx["dg"], g.grad, n, "input norm weight grad")
+        dw_qkv = back["du"].T @ dx["normed"]
+        close(unpermute_rope_rows(dw_qkv[:nq], heads, hd), wq.grad, M, "dWq")
+        close(unpermute_rope_rows(dw_qkv[nq:nq + kv * hd], kv, hd), wk.grad, M, "dWk")
+        close(dw_qkv[nq + kv * hd:], wv.grad, M, "dWv")

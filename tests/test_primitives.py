@@ -535,6 +535,44 @@ def test_reduce_n_group(op: str) -> None:
     assert out.shape == (M, n // 4)
 
 
+def _groups(x: torch.Tensor, g: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Hand-written group value: each row's groups of g columns reduced, repeated over the group."""
+    return reduce(x.reshape(x.shape[0], -1, g)).expand(-1, -1, g).reshape(x.shape)
+
+
+def test_group_values_at_every_width() -> None:
+    """group_sum / group_max as values, of a full-width tile (an RMSNorm per 4 columns), of a
+    pair half (groups of 2 pair-halves = 4 columns of N) and of a double-width Tile operand;
+    N = 20 leaves a ragged last tile of whole groups."""
+    @coda.epilogue
+    def ep(acc, h: coda.Tile(width=2)):
+        gate, up = coda.pairs(acc)
+        return {"norm": acc * coda.rsqrt(coda.group_sum(acc * acc, 4) * 0.25 + 1e-6),
+                "half": coda.group_max(gate, 2) - up,
+                "wide": coda.interleave(gate, up) + coda.pairs(coda.group_sum(h, 8))[0]}
+
+    n = 20
+    a, b = inputs(n=n)
+    h = randn(M, 2 * n)
+    acc = acc_of(a, b)
+    total = lambda t: t.sum(-1, keepdim=True)  # noqa: E731
+    check(ep, a, b, {
+        "norm": acc * torch.rsqrt(_groups(acc * acc, 4, total) * 0.25 + 1e-6),
+        "half": _groups(acc[:, 0::2], 2, lambda t: t.amax(-1, keepdim=True)) - acc[:, 1::2],
+        "wide": acc + _groups(h, 8, total)[:, 0::2],
+    }, config=CFG, h=h)
+
+
+def test_nan_propagates_through_group_max() -> None:
+    """group_max of a group holding a NaN is NaN in the whole group (as torch.amax), others exact."""
+    @coda.epilogue
+    def ep(acc, t: coda.Tile):
+        return coda.group_max(coda.maximum(acc, t), 2)
+
+    a, b, t, x = nan_inputs()
+    check(ep, a, b, _groups(x, 2, lambda v: v.amax(-1, keepdim=True)), config=CFG, t=t)
+
+
 def test_reduce_m_sum_ragged() -> None:
     @coda.epilogue
     def ep(acc, c: coda.VecN):

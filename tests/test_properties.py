@@ -5,7 +5,8 @@
   small config so that every output spans several tiles.
 * Random epilogue programs over every primitive: operands of each kind and width
   (float, integer and bool), row/column indices, unary functions, arithmetic,
-  comparisons and where, maximum/minimum, pairs/interleave, and 1-3 outputs including
+  comparisons and where, maximum/minimum, pairs/interleave, group_sum/group_max values
+  (groups of 2-8 columns at any width), and 1-3 outputs including
   reduce_n sum/max/logsumexp, reduce_n group=2 and reduce_m sum.
 * IR properties: tracing is deterministic, the hash tells programs apart, the graph
   survives its canonical JSON, printing names every output.
@@ -383,7 +384,27 @@ class Builder:
         arg = "" if w == 1 else repr(float(w))
         self.emit(f"coda.col_index({arg})", kind=Kind.VEC_N, width=w, dtype="int", mag=float(self.n * w))
 
-    STEPS = ("unary_exact", "squash", "squash", "binary", "binary", "compare_where", "pairs", "interleave", "index")
+    def group(self) -> None:
+        """group_sum / group_max of a tile, in groups whole in N and in every epilogue subtile
+        (EPI_N columns at the value's width). A sum is exact when its inputs and partial sums
+        are; otherwise its summation order differs from torch's by at most g^2 * mag eps32."""
+        x = self.pick(self.values(lambda v: v.kind == Kind.TILE))
+        sizes = [g for g in (2, 4, 8) if (self.n * x.width) % g == 0 and (BLOCKS["block_n"] * x.width) % g == 0]
+        if not sizes:
+            return
+        g = self.draw(st.sampled_from(sizes))
+        if self.draw(st.booleans()):
+            self.emit(f"coda.group_max({x.expr}, {g})", **_selected(x.kind, x.width, x))
+            return
+        mag = g * x.mag
+        if x.exact and _exactly(mag, x.frac):
+            self.emit(f"coda.group_sum({x.expr}, {g})", kind=x.kind, width=x.width, dtype="float", mag=mag, frac=x.frac)
+        else:
+            self.emit(f"coda.group_sum({x.expr}, {g})", kind=x.kind, width=x.width, dtype="float", mag=mag,
+                      err=g * x.err + g * g * x.mag)
+
+    STEPS = ("unary_exact", "squash", "squash", "binary", "binary", "compare_where", "pairs", "interleave", "index",
+             "group")
 
     def unused(self) -> list[Val]:
         """Pool values that no statement reads yet (newest last)."""
@@ -502,6 +523,34 @@ def test_random_epilogue_matches_reference(case: Case) -> None:
         compare(ep.graph, out, ep.reference(a, b, **operands), a, b)
 
 
+@st.composite
+def qknorm_cases(draw: st.DrawFn) -> tuple:
+    """(head_dim, heads, kv_heads, M, K): N = (heads + 2 kv_heads) head_dim, a multiple of the group."""
+    return (draw(st.sampled_from([4, 8, 16])), draw(st.integers(1, 3)), draw(st.integers(1, 2)),
+            draw(st.integers(1, M_MAX)), draw(st.integers(1, K_MAX)))
+
+
+@settings(max_examples=scale(40, 25), **SETTINGS)
+@given(case=qknorm_cases(), layout=layouts, config=configs)
+def test_qknorm_rope_shapes(case: tuple, layout: tuple[torch.dtype, bool, bool, int], config: coda.Config) -> None:
+    """The QK-norm epilogue (group_sum values over each head, then pairs) on ragged M and K, both
+    memory orders, every dtype and config: integer a and b and quarter-step operands keep the
+    accumulator, row scale and sums of squares exact, so only rsqrt, sin and cos round."""
+    (hd, heads, kv, m, k), (dtype, a_col, b_col, seed) = case, layout
+    gen = torch.Generator().manual_seed(seed)
+    n = (heads + 2 * kv) * hd
+    a, b = int_matrix(m, k, dtype, a_col, gen), int_matrix(k, n, dtype, b_col, gen)
+    quarter = lambda *shape: (torch.randint(1, 5, shape, generator=gen) / 4).to(DEVICE)  # noqa: E731
+    weight, mask = coda.ops.qknorm_columns(quarter(hd) - 0.5, quarter(hd), heads, kv)
+    freq = torch.cat([torch.randint(0, 64, ((heads + kv) * hd // 2,), generator=gen) / 64,
+                      torch.zeros(kv * hd // 2)]).to(DEVICE)
+    operands = dict(rstd=quarter(m), qk_weight=weight, qk_mask=mask, eps=2.0**-10,
+                    pos=torch.randint(0, 32, (m,), generator=gen).to(DEVICE), freq=freq)
+    ep = coda.ops.epilogues.rms_qknorm_rope(hd)
+    out = coda.runtime.run(ep.graph, a, b, operands, config=config)
+    compare(ep.graph, out, ep.reference(a, b, **operands), a, b)
+
+
 # -- c. IR properties --------------------------------------------------------------------
 
 small_programs = programs(8, 8, 4)
@@ -536,15 +585,18 @@ VARIANTS: dict[str, tuple] = {
     "out_name": ("y", "z", "h"),
     "reduce_op": ("sum", "max", "logsumexp"),
     "group": (None, 2, 4),
+    "value_group": (None, ("sum", 2), ("sum", 4), ("max", 2)),
 }
 
 
 def family(const: float, width: float, unary: str, binop: str, out_name: str, reduce_op: str,
-           group: Optional[int]) -> Graph:
+           group: Optional[int], value_group: Optional[tuple[str, int]]) -> Graph:
     """One epilogue shape, with each constant, operand width, op and name a parameter."""
 
     def member(acc, t: coda.Tile(width=width)):
         y = BINOPS[binop](getattr(coda, unary)(acc), const)
+        if value_group is not None:
+            y = getattr(coda, f"group_{value_group[0]}")(y, value_group[1])
         return {out_name: y, "t": t + 1.0, "r": coda.reduce_n(acc, reduce_op, group=group)}
 
     return coda.epilogue(member).graph
@@ -574,13 +626,16 @@ def test_random_programs_cover_every_primitive() -> None:
         for node in graph.nodes:
             seen.add(node.family)
             seen.add(getattr(node, "fn", node.family))
+            if node.family == "group":
+                seen.add(f"group_{node.op}")
         for o in graph.outputs:
             seen.add(o.family if isinstance(o, StoreOutput) else f"reduce_{o.axis}_{o.op}_{o.group}")
         seen.update(f"{p.kind.value}_{p.width}" for p in program.params)
         seen.update(str(p.dtype) for p in program.params)
 
     collect()
-    expected = {"input", "const", "index", "unary", "binary", "where", "pair", "interleave", "store",
+    expected = {"input", "const", "index", "unary", "binary", "where", "pair", "interleave", "group", "group_sum",
+                "group_max", "store",
                 *UNARY_FNS, *BINARY_FNS, "reduce_n_sum_None", "reduce_n_max_None", "reduce_n_logsumexp_None",
                 "reduce_n_sum_2", "reduce_m_sum_None",
                 *(f"{k}_{w}" for k in ("vec_n", "tile") for w in WIDTHS), "scalar_1", "vec_m_1",

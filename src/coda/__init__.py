@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from . import _platform  # noqa: E402,F401  (must precede any Triton import)
 
 from .ir.trace import (  # noqa: E402
-    abs, col_index, cos, exp, gelu, interleave, log, maximum, minimum, pairs, reduce_m, reduce_n,
+    abs, col_index, cos, exp, gelu, group_max, group_sum, interleave, log, maximum, minimum, pairs, reduce_m, reduce_n,
     relu, round_bf16, round_fp16, row_index, rsqrt, sigmoid, silu, sin, sqrt, square, tanh, where,
 )
 from .ir.types import Scalar, Tile, VecM, VecN  # noqa: E402
@@ -21,5 +21,5 @@ __all__ = [
     "Scalar", "VecM", "VecN", "Tile",
     "exp", "log", "sqrt", "rsqrt", "sigmoid", "silu", "gelu", "tanh", "relu", "sin", "cos", "abs",
     "square", "round_bf16", "round_fp16", "maximum", "minimum", "where", "pairs", "interleave", "row_index", "col_index",
-    "reduce_n", "reduce_m",
+    "reduce_n", "reduce_m", "group_sum", "group_max",
 ]

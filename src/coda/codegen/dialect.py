@@ -45,9 +45,10 @@ class Dialect:
 
     def relayout(self, expr: str, width: Fraction, trivial: bool = True) -> str:
         """A value produced by reshape/split/join (or a row vector meeting columns of another
-        width), in the layout of its width. Pairs and widths move no data in Gluon: the
+        width), in the layout of its width. Pairs, widths and group_sum / group_max values
+        (reshaped to [rows, groups, g], reduced, broadcast back) move no data in Gluon: the
         conversion is asserted trivial at compile time; `trivial=False` only for grouped
-        reductions, whose [rows, groups] results take one small shuffle."""
+        reduction outputs, whose [rows, groups] results take one small shuffle."""
         if not self.layouts:
             return expr
         check = ", assert_trivial=True" if trivial else ""

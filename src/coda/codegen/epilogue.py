@@ -19,10 +19,10 @@ from fractions import Fraction
 
 from ..ir.graph import Graph
 from ..ir.nodes import (
-    BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
+    BinaryNode, ConstNode, GroupNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
     StoreOutput, UnaryNode, WhereNode,
 )
-from ..ir.primitives import PRIMITIVES, REDUCTIONS
+from ..ir.primitives import GROUP_REDUCTIONS, PRIMITIVES, REDUCTIONS
 from ..ir.types import Kind
 from .dialect import Dialect, dialect_of
 from .spec import FLOAT_DTYPES, OperandForm, Specialization, width_suffix
@@ -200,6 +200,10 @@ class EpilogueEmitter:
                 half = node.frac_width / 2
                 self._set(nid, self.d.interleave(self.f32(node.x, half), self.f32(node.y, half), node.kind,
                                                  cols(node.frac_width), node.frac_width), "f32")
+            elif isinstance(node, GroupNode):
+                # whole groups per subtile: the runtime's configs hold them (Graph.column_groups)
+                expr = GROUP_REDUCTIONS[node.op].emit(self.d.backend, self.f32(node.x), node.group)
+                self._set(nid, self.d.relayout(expr, node.frac_width), "f32")
 
     def _split(self, x: int) -> tuple[str, str]:
         if x not in self._splits:

@@ -16,7 +16,7 @@ from functools import cached_property
 from pydantic import model_validator
 
 from .nodes import (
-    ARITH_FNS, BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode, Node, OperandSpec,
+    ARITH_FNS, BinaryNode, ConstNode, GroupNode, IndexNode, InputNode, InterleaveNode, Node, OperandSpec,
     Output, PairNode, ReduceOutput, StoreOutput, UnaryNode, WhereNode, _Model,
 )
 from .types import Kind, combine
@@ -31,6 +31,14 @@ def check_name(name: str, what: str) -> None:
     if normal != name:
         # Python reads identifiers in NFKC form: the generated kernel would name it otherwise.
         raise ValueError(f"{what} {name!r} is not in NFKC normal form (Python reads it as {normal!r}); use {normal!r}")
+
+
+def check_group(group: object, what: str) -> None:
+    """A column group size: a power of two >= 2 (a group of one column is the value itself)."""
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise TypeError(f"{what}: the group size must be an int, got {type(group).__name__}")
+    if group < 2 or group & (group - 1):
+        raise ValueError(f"{what}: the group size must be a power of two >= 2 (e.g. head_dim), got {group}")
 
 
 def infer(node: object, types: dict[int, tuple[Kind, Fraction]]) -> tuple[Kind, Fraction]:
@@ -58,6 +66,16 @@ def infer(node: object, types: dict[int, tuple[Kind, Fraction]]) -> tuple[Kind, 
         if wx == 2:
             raise ValueError("coda.interleave of width-2 values would have width 4; widths are 1/2, 1 or 2")
         return kx, wx * 2
+    if isinstance(node, GroupNode):
+        kind, width = types[node.x]
+        what = f"coda.group_{node.op}"
+        if kind != Kind.TILE:
+            raise TypeError(
+                f"{what} needs a tile (groups of columns within each row), got a {kind.value}; "
+                "a vec_n's groups can be reduced in torch before the call"
+            )
+        check_group(node.group, what)
+        return kind, width
     raise TypeError(f"infer: not a computed node: {node!r}")
 
 
@@ -176,6 +194,14 @@ class Graph(_Model):
     def node(self, node_id: int) -> Node:
         return self.nodes[node_id]
 
+    def column_groups(self) -> list[tuple[str, int, Fraction]]:
+        """(what, group, width) of every grouped reduction: outputs (reduce_n group=) and values
+        (group_sum / group_max). Each needs whole groups in every epilogue (sub)tile and in N."""
+        groups = [(f"reduction {o.name!r}", o.group, self.node(o.x).frac_width)
+                  for o in self.outputs if isinstance(o, ReduceOutput) and o.group is not None]
+        groups += [(f"group_{n.op} (node %{n.id})", n.group, n.frac_width) for n in self.nodes if isinstance(n, GroupNode)]
+        return groups
+
     def uses_width(self, width: Fraction) -> bool:
         return any(n.kind.has_cols and n.frac_width == width for n in self.nodes) or any(
             s.kind.has_cols and s.frac_width == width for s in self.operands
@@ -216,7 +242,9 @@ def _node_str(node: object) -> str:
         return f"pair_{'even' if node.half == 0 else 'odd'} %{node.x}"
     if isinstance(node, InterleaveNode):
         return f"interleave %{node.x}, %{node.y}"
+    if isinstance(node, GroupNode):
+        return f"group_{node.op} %{node.x}, group={node.group}"
     raise TypeError(node)
 
 
-__all__ = ["Graph", "infer", "check_output", "check_name", "RESERVED_NAMES", "ARITH_FNS"]
+__all__ = ["Graph", "infer", "check_group", "check_output", "check_name", "RESERVED_NAMES", "ARITH_FNS"]

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .primitives import ARITH_FNS, BINARY_FNS, COMPARE_FNS, REDUCE_M_OPS, REDUCE_N_OPS, UNARY_FNS  # noqa: F401
+from .primitives import ARITH_FNS, BINARY_FNS, COMPARE_FNS, GROUP_OPS, REDUCE_M_OPS, REDUCE_N_OPS, UNARY_FNS  # noqa: F401
 from .types import Kind
 
 WidthStr = Literal["1/2", "1", "2"]
@@ -113,8 +113,22 @@ class InterleaveNode(_Value):
         return (self.x, self.y)
 
 
+class GroupNode(_Value):
+    """Per row, `op` over each group of `group` consecutive columns of x, in every column of the
+    group (coda.group_sum / group_max): a per-head statistic as a value, not an output."""
+
+    family: Literal["group"] = "group"
+    op: Literal[GROUP_OPS]  # type: ignore[valid-type]
+    x: int
+    group: int
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        return (self.x,)
+
+
 Node = Annotated[
-    Union[InputNode, ConstNode, IndexNode, UnaryNode, BinaryNode, WhereNode, PairNode, InterleaveNode],
+    Union[InputNode, ConstNode, IndexNode, UnaryNode, BinaryNode, WhereNode, PairNode, InterleaveNode, GroupNode],
     Field(discriminator="family"),
 ]
 

@@ -1,4 +1,4 @@
-"""Every elementwise primitive and reduction of the IR, each defined once.
+"""Every elementwise primitive, reduction and group reduction of the IR, each defined once.
 
 An entry holds what the rest of coda needs to know about one primitive: its typing (how
 many arguments, and whether its result is a float or a boolean), its text in each backend's
@@ -122,6 +122,40 @@ REDUCTIONS: dict[str, Reduction] = {
     "logsumexp": Reduction("logsumexp", ("n",), 'float("-inf")', _logsumexp),
 }
 REDUCE_N_OPS = tuple(r.op for r in REDUCTIONS.values() if "n" in r.axes)
+
+
+@dataclass(frozen=True)
+class GroupReduction:
+    """A reduction over each group of `g` consecutive columns of a row, used as a value: every
+    column of a group holds the group's result (per-head statistics applied in the same
+    epilogue). Typing (coda.ir.graph.infer): a tile in, a tile of its kind and width out, `g` a
+    power of two >= 2 counted in the value's own columns. Its text is a helper of
+    coda.templates.jit_helpers / gluon_helpers; its reference reduces [.., C // g, g]."""
+
+    op: str
+    text: dict[str, str]  # backend -> format string over {x} and {g}
+    reference: Callable[[torch.Tensor, int], torch.Tensor]
+
+    def emit(self, backend: str, x: str, g: int) -> str:
+        template = self.text.get(backend)
+        if template is None:
+            raise NotImplementedError(f"group_{self.op} has no {backend} text")
+        return template.format(x=x, g=g)
+
+
+def _grouped(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def ref(x: torch.Tensor, g: int) -> torch.Tensor:
+        groups = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
+        return reduce(groups).expand(groups.shape).reshape(x.shape)
+    return ref
+
+
+GROUP_REDUCTIONS: dict[str, GroupReduction] = {
+    "sum": GroupReduction("sum", _same("_group_sum({x}, {g})"), _grouped(lambda t: t.sum(-1, keepdim=True))),
+    # torch.amax propagates NaN, as the helper does (tl.max alone would drop it)
+    "max": GroupReduction("max", _same("_group_max({x}, {g})"), _grouped(lambda t: t.amax(-1, keepdim=True))),
+}
+GROUP_OPS = tuple(GROUP_REDUCTIONS)
 REDUCE_M_OPS = tuple(r.op for r in REDUCTIONS.values() if "m" in r.axes)
 
 
@@ -135,5 +169,6 @@ def reduce_reference(op: str, x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
-__all__ = ["ARITH_FNS", "BACKENDS", "BINARY_FNS", "COMPARE_FNS", "PRIMITIVES", "Primitive", "REDUCE_M_OPS",
+__all__ = ["ARITH_FNS", "BACKENDS", "BINARY_FNS", "COMPARE_FNS", "GROUP_OPS", "GROUP_REDUCTIONS", "GroupReduction",
+           "PRIMITIVES", "Primitive", "REDUCE_M_OPS",
            "REDUCE_N_OPS", "REDUCTIONS", "Reduction", "UNARY_FNS", "reduce_reference", "reference"]

@@ -12,9 +12,9 @@ from typing import Mapping
 import torch
 
 from .graph import Graph
-from .primitives import PRIMITIVES, reduce_reference
+from .primitives import GROUP_REDUCTIONS, PRIMITIVES, reduce_reference
 from .nodes import (
-    BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
+    BinaryNode, ConstNode, GroupNode, IndexNode, InputNode, InterleaveNode, PairNode, ReduceOutput,
     UnaryNode, WhereNode,
 )
 from .types import Kind
@@ -68,6 +68,8 @@ def evaluate(graph: Graph, acc: torch.Tensor, operands: Mapping[str, object]) ->
         elif isinstance(node, InterleaveNode):
             x, y = vals[node.x], vals[node.y]
             v = torch.stack([x, y], dim=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
+        elif isinstance(node, GroupNode):
+            v = GROUP_REDUCTIONS[node.op].reference(_f32(vals[node.x]), node.group)
         else:  # pragma: no cover - Graph validation admits no other node
             raise TypeError(node)
         vals.append(v)

@@ -12,9 +12,9 @@ import numbers
 from fractions import Fraction
 from typing import Callable
 
-from .graph import RESERVED_NAMES, Graph, _leaf_type, check_name, check_output, infer
+from .graph import RESERVED_NAMES, Graph, _leaf_type, check_group, check_name, check_output, infer
 from .nodes import (
-    REDUCE_M_OPS, REDUCE_N_OPS, BinaryNode, ConstNode, IndexNode, InputNode, InterleaveNode,
+    REDUCE_M_OPS, REDUCE_N_OPS, BinaryNode, ConstNode, GroupNode, IndexNode, InputNode, InterleaveNode,
     OperandSpec, PairNode, ReduceOutput, StoreOutput, UnaryNode, WhereNode,
 )
 from .types import Kind, as_operand_type, parse_width, width_str
@@ -138,9 +138,10 @@ class Reduction:
         self.x, self.axis, self.op, self.group = x, axis, op, group
 
     def misuse(self, *_: object) -> None:
+        hint = " (for per-group statistics as values use coda.group_sum / coda.group_max)" if self.axis == "n" else ""
         raise TypeError(
             f"a reduction (reduce_{self.axis} {self.op!r}) is an output only: return it from the "
-            "epilogue; it cannot be used as a value inside it"
+            f"epilogue; it cannot be used as a value inside it{hint}"
         )
 
     def __bool__(self) -> bool:
@@ -227,6 +228,28 @@ def col_index(width: object = 1) -> Value:
     """Global output column of each element (int32, a VecN of the given width)."""
     w = parse_width(width, "coda.col_index")
     return _index_tracer("col_index").add(IndexNode, axis="n", width=width_str(w))
+
+
+def _group(op: str, x: object, group: object) -> Value:
+    what = f"coda.group_{op}"
+    if not isinstance(x, Value):
+        if isinstance(x, Reduction):
+            x.misuse()
+        raise TypeError(f"{what} expects an epilogue value, got {type(x).__name__}")
+    check_group(group, what)
+    return x.tracer.add(GroupNode, op=op, x=x.id, group=group)
+
+
+def group_sum(x, group: int) -> Value:
+    """Per row, the sum of each group of `group` consecutive columns of the tile x (e.g. a
+    head's head_dim columns), in every column of that group: a value of x's width, usable in
+    the same epilogue (QK-norm's per-head statistic). `group` counts x's own columns."""
+    return _group("sum", x, group)
+
+
+def group_max(x, group: int) -> Value:
+    """As group_sum, with the maximum (NaN if the group holds one)."""
+    return _group("max", x, group)
 
 
 def reduce_n(x, op: str, *, group: int | None = None) -> Reduction:

@@ -4,6 +4,7 @@ from . import epilogues
 from .cross_entropy import linear_cross_entropy
 from .custom import FusedOp, fused_op
 from .layout import interleave_gate_up, permute_rope_rows, rope_pair_permutation, split_gate_up, unpermute_rope_rows
+from .qknorm import qknorm_columns, qknorm_weight_grads
 from .rmsnorm import rmsnorm
 from .rmsnorm_linear import rmsnorm_linear
 from .rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
@@ -11,5 +12,6 @@ from .swiglu_mlp import swiglu_mlp
 
 __all__ = [
     "epilogues", "fused_op", "FusedOp", "linear_cross_entropy", "rmsnorm", "rmsnorm_linear", "rmsnorm_swiglu_mlp", "swiglu_mlp",
+    "qknorm_columns", "qknorm_weight_grads",
     "interleave_gate_up", "split_gate_up", "rope_pair_permutation", "permute_rope_rows", "unpermute_rope_rows",
 ]

@@ -6,13 +6,15 @@ Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference ch
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Callable
 
 import torch
 
 from ..epilogue import Epilogue, epilogue
 from ..ir.trace import (
-    col_index, cos, exp, interleave, pairs, reduce_m, reduce_n, round_bf16, round_fp16, sigmoid, silu, sin, where,
+    col_index, cos, exp, group_sum, interleave, pairs, reduce_m, reduce_n, round_bf16, round_fp16, rsqrt, sigmoid, silu,
+    sin, where,
 )
 from ..ir.types import Scalar, Tile, VecM, VecN
 
@@ -70,6 +72,48 @@ def rms_rope(acc, rstd: VecM, pos: VecM, freq: VecN(width=0.5)):
 def rope(acc, pos: VecM, freq: VecN(width=0.5)):
     """Section 3 on an already normalized input (a row pass stored F.rms_norm's output)."""
     return _rotate(acc, pos, freq)
+
+
+def _head_rstd(u, eps, head_dim: int):
+    """Per row and head (head_dim consecutive columns), rsqrt(mean(u^2) + eps), in every column
+    of the head: the QK-norm statistic as a value (a group reduction inside the epilogue)."""
+    return rsqrt(group_sum(u * u, head_dim) * (1.0 / head_dim) + eps)
+
+
+@cache
+def rms_qknorm_rope(head_dim: int) -> Epilogue:
+    """Section 3a, forward: the input norm's row scale u = acc * rstd, then per head on the q and
+    k columns (qk_mask) RMSNorm with the per-column weight qk_weight, then RoPE; v columns are
+    u unchanged (their freq is 0). One epilogue per head_dim (the group size is static)."""
+
+    def fn(acc, rstd: VecM, qk_weight: VecN, qk_mask: VecN, eps: Scalar, pos: VecM, freq: VecN(width=0.5)):
+        u = acc * rstd
+        return _rotate(u * where(qk_mask, _head_rstd(u, eps, head_dim) * qk_weight, 1.0), pos, freq)
+
+    fn.__name__ = f"rms_qknorm_rope_hd{head_dim}"
+    return epilogue(fn)
+
+
+@cache
+def qknorm_rope_backward(head_dim: int) -> Epilogue:
+    """Section 3a, backward, on the recomputed forward GEMM (acc = the same h @ Wqkv.T): u and the
+    per-head r come back exactly, `grad` (dL/d qkv) is rotated back by -theta to dqn, then per
+    q/k head du = r (w dqn) - r^3 u <u, w dqn> / d_h (v: du = dqn). Also zdz = u . du per row (the
+    input RMSNorm backward's row term, section 5) and dw = per-column sums over rows of
+    dqn * u * r on q/k columns (summed over heads in torch: `ops.qknorm.qknorm_weight_grads`)."""
+
+    def fn(acc, grad: Tile, rstd: VecM, qk_weight: VecN, qk_mask: VecN, eps: Scalar, pos: VecM,
+           freq: VecN(width=0.5)):
+        u = acc * rstd
+        r = _head_rstd(u, eps, head_dim)
+        dqn = _rotate(grad, pos, -freq)  # the inverse rotation
+        wd = qk_weight * dqn
+        dot = group_sum(u * wd, head_dim)
+        du = where(qk_mask, r * wd - r * r * r * u * dot * (1.0 / head_dim), dqn)
+        return {"du": du, "zdz": reduce_n(u * du, "sum"), "dw": reduce_m(where(qk_mask, dqn * u * r, 0.0), "sum")}
+
+    fn.__name__ = f"qknorm_rope_backward_hd{head_dim}"
+    return epilogue(fn)
 
 
 @epilogue

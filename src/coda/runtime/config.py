@@ -113,12 +113,11 @@ def gluon_constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]
 
 
 def min_block_n(graph: Graph) -> int:
-    """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction."""
+    """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction
+    (outputs and group_sum / group_max values)."""
     need = 16
-    for out in graph.outputs:
-        if isinstance(out, ReduceOutput) and out.group is not None:
-            width = graph.node(out.x).frac_width
-            need = max(need, int(Fraction(out.group) / width))
+    for _, group, width in graph.column_groups():
+        need = max(need, int(Fraction(group) / width))
     return need
 
 
@@ -304,8 +303,7 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
             return cfg
         fallback = fallback or (cfg and cfg.model_copy(update={"num_stages": 3}))
     if fallback is None:
-        groups = ", ".join(f"reduction {o.name!r} sums groups of {o.group} columns" for o in graph.outputs
-                           if isinstance(o, ReduceOutput) and o.group is not None)
+        groups = ", ".join(f"{what} sums groups of {group} columns" for what, group, _ in graph.column_groups())
         raise ValueError(f"gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
                          f"hold at most 256 columns (of a 64-row tile), {need} needed")
     return fallback

@@ -105,14 +105,13 @@ def validate(
         raise ValueError(
             f"epilogue {name!r} uses pairs or width-1/2 values, so N must be even; got N={n}"
         )
-    for o in graph.outputs:
-        if isinstance(o, ReduceOutput) and o.group is not None:
-            cols = n * graph.node(o.x).frac_width
-            if cols.denominator != 1 or int(cols) % o.group:
-                raise ValueError(
-                    f"epilogue {name!r}: reduction {o.name!r} sums groups of {o.group} columns, "
-                    f"but its input has {cols} columns (not a multiple of {o.group})"
-                )
+    for what, group, width in graph.column_groups():
+        cols = n * width
+        if cols.denominator != 1 or int(cols) % group:
+            raise ValueError(
+                f"epilogue {name!r}: {what} reduces groups of {group} columns, "
+                f"but its input has {cols} columns (not a multiple of {group})"
+            )
 
     specs = {s.name: s for s in graph.operands}
     missing = [s for s in specs if s not in operands]

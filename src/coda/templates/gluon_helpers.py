@@ -14,6 +14,8 @@ def _as_gluon(fn):
     return gluon.jit(fn.fn)
 
 
+_group_max = _as_gluon(jit_helpers._group_max)
+_group_sum = _as_gluon(jit_helpers._group_sum)
 _tanh = _as_gluon(jit_helpers._tanh)
 _tile_coords = _as_gluon(jit_helpers._tile_coords)
 _trig = _as_gluon(jit_helpers._trig)

@@ -71,3 +71,21 @@ def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
 def _sigmoid(x):
     # As triton.language.sigmoid, as a function both dialects can import (Gluon has none).
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _group_sum(x, G: tl.constexpr):
+    # coda.group_sum: per row, each group of G consecutive columns of the [rows, cols] x summed,
+    # the sum in every column of its group (the reshapes keep row-major order).
+    groups = tl.reshape(x, (x.shape[0], x.shape[1] // G, G))
+    s = tl.expand_dims(tl.sum(groups, axis=2), 2)
+    return tl.reshape(tl.broadcast(s, groups)[0], (x.shape[0], x.shape[1]))
+
+
+@triton.jit
+def _group_max(x, G: tl.constexpr):
+    # coda.group_max, as _group_sum; NaN where a group holds one (tl.max alone would drop it).
+    groups = tl.reshape(x, (x.shape[0], x.shape[1] // G, G))
+    nan = tl.sum((groups != groups).to(tl.int32), axis=2) > 0
+    m = tl.expand_dims(tl.where(nan, float("nan"), tl.max(groups, axis=2)), 2)
+    return tl.reshape(tl.broadcast(m, groups)[0], (x.shape[0], x.shape[1]))

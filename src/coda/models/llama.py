@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from .families import FROM_HF, problems
 from .llama_block import NativeBlockWeights, block_segment
 from .llama_ends import first_segment, last_segment
 
@@ -48,26 +49,17 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
-        """From a transformers LlamaConfig (v4.56 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
-        problems = []
-        if getattr(config, "hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={config.hidden_act!r} (coda's MLP is SwiGLU)")
-        for flag in ("attention_bias", "mlp_bias"):
-            if getattr(config, flag, False):
-                problems.append(f"{flag}=True (coda's projections have no bias)")
-        if (getattr(config, "pretraining_tp", 1) or 1) != 1:
-            problems.append(f"pretraining_tp={config.pretraining_tp}")
+        """From a transformers config of a family `coda.models.from_hf` supports (families.py: every
+        field either handled or refused; v4.56 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
+        found = problems(config, FROM_HF)
+        if found:
+            raise ValueError("coda.models.from_hf cannot compute this model as transformers does: " + "; ".join(found))
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
-        if rope_type == "llama3":
+        if rope.get("rope_type", rope.get("type", "default")) == "llama3":
             scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
                        float(rope["original_max_position_embeddings"]))
-        elif rope_type != "default":
-            problems.append(f"rope_type={rope_type!r} (coda supports 'default' and 'llama3')")
-        if problems:
-            raise ValueError("coda LlamaForCausalLM cannot represent this config: " + "; ".join(problems))
         heads = config.num_attention_heads
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
@@ -196,9 +188,13 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:
-        """The same weights as a transformers LlamaForCausalLM, copied into coda's layouts (same
-        dtype and device)."""
-        config = LlamaConfig.from_hf(hf_model.config)
+        """The same weights as a transformers causal LM of a supported family (families.py), copied
+        into coda's layouts (same dtype and device). ValueError naming the model_type or the field
+        for anything coda would compute differently."""
+        config = LlamaConfig.from_hf(getattr(hf_model, "config", None))
+        if not isinstance(getattr(hf_model, "lm_head", None), nn.Linear) or hf_model.lm_head.bias is not None:
+            raise ValueError(f"coda.models.from_hf: {type(hf_model).__name__} is not a causal LM with a bias-free "
+                             f"lm_head (model_type {hf_model.config.model_type!r}: pass its *ForCausalLM model)")
         sd = hf_model.state_dict()
         ref = sd["model.embed_tokens.weight"]
         with torch.device("meta"):
@@ -209,25 +205,41 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named, HF-layout weights into this model's parameters (unsharded parameters:
-        load before fully_shard)."""
+        load before fully_shard). Every weight is read: ValueError for one missing or one left
+        over (a bias, an extra norm: something this model would not compute)."""
         c, hd = self.config, self.config.dim_per_head
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"coda.models.from_hf: the state dict has no {name!r}")
+            used.add(name)
+            return sd[name]
+
         with torch.no_grad():
-            self.embed_tokens.copy_(sd["model.embed_tokens.weight"])
-            self.norm.copy_(sd["model.norm.weight"])
+            self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+            self.norm.copy_(take("model.norm.weight"))
             if self.lm_head is not None:
-                self.lm_head.copy_(sd["lm_head.weight"])
+                self.lm_head.copy_(take("lm_head.weight"))
+            elif "lm_head.weight" in sd:  # tied: HF lists the shared weight under both names
+                used.add("lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn_norm, w_qkv = self._attn_params(i)
-                attn_norm.copy_(sd[p + "input_layernorm.weight"])
+                attn_norm.copy_(take(p + "input_layernorm.weight"))
                 w_qkv.copy_(torch.cat([
-                    permute_rope_rows(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads, hd),
-                    permute_rope_rows(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads, hd),
-                    sd[p + "self_attn.v_proj.weight"]]))
-                layer.ffn_norm.copy_(sd[p + "post_attention_layernorm.weight"])
-                layer.wo.copy_(sd[p + "self_attn.o_proj.weight"])
-                layer.w_gate_up.copy_(interleave_gate_up(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]))
-                layer.w_down.copy_(sd[p + "mlp.down_proj.weight"])
+                    permute_rope_rows(take(p + "self_attn.q_proj.weight"), c.num_attention_heads, hd),
+                    permute_rope_rows(take(p + "self_attn.k_proj.weight"), c.num_key_value_heads, hd),
+                    take(p + "self_attn.v_proj.weight")]))
+                layer.ffn_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.w_gate_up.copy_(interleave_gate_up(take(p + "mlp.gate_proj.weight"),
+                                                         take(p + "mlp.up_proj.weight")))
+                layer.w_down.copy_(take(p + "mlp.down_proj.weight"))
+        unused = sorted(set(sd) - used)
+        if unused:
+            raise ValueError(f"coda.models.from_hf: weights this model would not use: {', '.join(unused[:8])}"
+                             + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
 
     def to_hf_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
         """transformers' names and layouts (new contiguous tensors; the exact inverse of from_hf).
@@ -287,3 +299,10 @@ class LlamaForCausalLM(nn.Module):
             return CausalLMOutput(logits=F.linear(x, head).view(batch, seq, -1))
         target = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)  # HF's shift: token t predicts t + 1
         return CausalLMOutput(loss=linear_cross_entropy(x, head, target))
+
+
+def from_hf(hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:
+    """A coda causal LM with the weights of a transformers *ForCausalLM of any family from_hf
+    supports (families.supported(FROM_HF)). Each of them is a Llama-shaped decoder today, so each is
+    a LlamaForCausalLM; ValueError naming the model_type or the config field otherwise."""
+    return LlamaForCausalLM.from_hf(hf_model, checkpoint=checkpoint)

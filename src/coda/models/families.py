@@ -94,18 +94,18 @@ _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
           "attention_bias": _attention_only(NO_BIAS),
           # transformers 4.x splits the projections into `pretraining_tp` slices; coda handles none.
           "pretraining_tp": Rule(lambda v: v in (None, 1), "1")}
-# Sliding windows, Qwen2's q/k/v biases and Qwen3's QK-norm live inside HF's attention: coda.patch
-# runs them as HF does; coda's own model does not compute them yet.
-_WINDOWS = {"sliding_window": _attention_only(Rule(lambda v: v is None, "None (no sliding window)")),
+# Qwen2's q/k/v biases and Qwen3's QK-norm live inside HF's attention: coda.patch runs them as HF does;
+# coda's own model does not compute them yet. Sliding windows, per layer: masks.py.
+LAYER_TYPES = Rule(lambda v: v is None or set(v) <= {"full_attention", "sliding_attention"},
+                   "'full_attention' and 'sliding_attention' layers")
+_WINDOWS = {"sliding_window": ANY,
             # Qwen2/3: these set sliding_window and layer_types, which the model reads.
             "use_sliding_window": DERIVED, "max_window_layers": DERIVED,
-            "layer_types": _attention_only(Rule(lambda v: v is None or set(v) <= {"full_attention"},
-                                                "'full_attention' layers only"))}
+            "layer_types": _attention_only(LAYER_TYPES)}
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
-    Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU,
-                             "sliding_window": _WINDOWS["sliding_window"]}),
+    Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
     Family("qwen2", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}),
     Family("qwen3", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU,
                                          "attention_bias": _attention_only(NO_BIAS), **_WINDOWS}),

@@ -4,7 +4,8 @@ The residual stream is cut at shifted boundaries (docs/ALGEBRA.md 7): `first_seg
 embedding to layer 0's QKV projection, `block_segment` from layer l's attention output to layer
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
-Attention is `F.scaled_dot_product_attention` (causal, GQA) between them. The parameters are held
+Attention is `F.scaled_dot_product_attention` (causal, GQA; padding, packed documents and sliding
+windows as masks built once per forward: masks.py) between them. The parameters are held
 in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
 forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
 `from_hf` / `to_hf_state_dict` convert from and to transformers' names, grouping and layouts.
@@ -25,6 +26,7 @@ from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, u
 from .families import FROM_HF, problems
 from .llama_block import NativeBlockWeights, block_segment
 from .llama_ends import first_segment, last_segment
+from .masks import AttentionMask, build, documents, padding
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,18 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3: factor, low, high, original max pos
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # keys within this distance (the query included), on windowed layers
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None: all windowed
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full causal attention)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
@@ -66,7 +76,9 @@ class LlamaConfig:
                    num_attention_heads=heads, num_key_value_heads=config.num_key_value_heads or heads,
                    head_dim=getattr(config, "head_dim", None), rms_norm_eps=float(config.rms_norm_eps),
                    rope_theta=float(theta), rope_scaling=scaling,
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   sliding_window=getattr(config, "sliding_window", None),
+                   layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types))
 
 
 @dataclass
@@ -101,19 +113,27 @@ class LlamaLayer(nn.Module):
         self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
 
-    def _attention(self, qkv: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None) -> torch.Tensor:
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
         q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd), enable_gqa=h != kv)
+        scale, gqa = 1.0 / math.sqrt(hd), h != kv
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale, enable_gqa=gqa)
+            if mask.live is not None:
+                out = out.masked_fill(~mask.live, 0.0)
         return out.transpose(1, 2).reshape(batch * seq, h * hd)
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
-                final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                final_norm: torch.Tensor | None = None,
+                mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x_{i+1}, qkv_{i+1}); for the last layer (final norm output, None), `final_norm` being
-        the model's norm weight (a root parameter, gathered for the whole step under FSDP2)."""
+        the model's norm weight (a root parameter, gathered for the whole step under FSDP2).
+        `mask`: this layer's attention mask (masks.py; None: causal)."""
         c = self.config
-        attn = self._attention(qkv, batch, seq)
+        attn = self._attention(qkv, batch, seq, mask)
         if self.next_w_qkv is None:
             if final_norm is None:
                 raise ValueError("the last LlamaLayer needs the model's final norm weight")
@@ -143,7 +163,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 class LlamaForCausalLM(nn.Module):
     """A Llama decoder + LM head + loss on coda's fused ops. `model(input_ids, labels=None,
-    position_ids=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward.
+    position_ids=None, attention_mask=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward.
 
     The parameters are nn.Parameters of the module that reads them: the embedding, layer 0's input
     norm and QKV projection (the first segment), the final norm and the LM head on the model, the rest
@@ -276,24 +296,36 @@ class LlamaForCausalLM(nn.Module):
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> CausalLMOutput:
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+        """`attention_mask` [B, S]: 0 marks padding (never attended); `position_ids` [B, S] or [1, S]:
+        RoPE positions, and without `attention_mask` the documents packed in a row (a new one where
+        the position does not step by +1; attention stays inside it), as transformers (masks.py)."""
         c = self.config
         batch, seq = input_ids.shape
+        docs = None
         if position_ids is None:
             pos = torch.arange(seq, device=input_ids.device).repeat(batch)
         else:
-            pos = position_ids.expand(batch, seq).reshape(-1)
+            position_ids = position_ids.expand(batch, seq)
+            pos = position_ids.reshape(-1)
+            if attention_mask is None:
+                docs = documents(position_ids)
+        pad = padding(attention_mask)
+        masks = {w: build(batch, seq, input_ids.device, padding=pad, docs=docs, window=w)
+                 for w in {c.window(i) for i in range(c.num_hidden_layers)}}
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
         qkv = first_segment(x, pos, self.first_attn_norm, self.first_w_qkv, n_heads=c.num_attention_heads,
                             n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
                             rope_scaling=c.rope_scaling)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its
             # parameters for the forward and again for the recomputation in backward.
             if self.checkpoint and self.training and torch.is_grad_enabled():
-                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, use_reentrant=False)
+                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, mask, use_reentrant=False)
             else:
-                x, qkv = layer(x, qkv, pos, batch, seq, self.norm)
+                x, qkv = layer(x, qkv, pos, batch, seq, self.norm, mask)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if labels is None:
             return CausalLMOutput(logits=F.linear(x, head).view(batch, seq, -1))

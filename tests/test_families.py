@@ -29,7 +29,11 @@ CONFIGS = transformers.CONFIG_MAPPING
 
 # The tiny models each supported (family, entry point) is checked on below; every supported family
 # must appear here (test_every_causal_lm_family_is_supported_and_tested_or_refused).
-FROM_HF_CASES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=4)}  # a window < SEQ
+FROM_HF_CASES = {
+    "llama": dict(tie_word_embeddings=True),
+    "mistral": dict(sliding_window=4),  # a window shorter than the sequence
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
+}
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
     "mistral": dict(sliding_window=4),  # a window shorter than the sequence: HF's attention
@@ -131,6 +135,14 @@ def test_from_hf_matches_hf_in_fp32(model_type: str) -> None:
     assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
 
 
+@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type])
+    sd, ref = coda.models.from_hf(hf).to_hf_state_dict(), hf.state_dict()
+    assert list(sd) == list(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
 @pytest.mark.parametrize("model_type", sorted(PATCH_CASES))
 def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     hf = hf_model(model_type, **PATCH_CASES[model_type])
@@ -171,9 +183,9 @@ def test_families_computed_differently_are_refused_by_name(model_type: str) -> N
 
 
 def test_real_models_that_do_not_fit_are_refused() -> None:
-    qwen2 = hf_model("qwen2")  # q/k/v biases: not in coda's own model yet
-    with pytest.raises(ValueError, match="model_type 'qwen2' is not supported"):
-        coda.models.from_hf(qwen2)
+    qwen3 = hf_model("qwen3")  # QK-norm: not in coda's own model yet
+    with pytest.raises(ValueError, match="model_type 'qwen3' is not supported"):
+        coda.models.from_hf(qwen3)
     torch.manual_seed(0)
     bare = transformers.LlamaModel(transformers.LlamaConfig(**SHAPE))
     with pytest.raises(ValueError, match="LlamaModel is not a causal LM"):

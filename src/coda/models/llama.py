@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
-from .families import FROM_HF, problems
+from .families import FAMILIES, FROM_HF, problems
 from .llama_block import NativeBlockWeights, block_segment
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build, documents, padding
@@ -46,6 +46,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # keys within this distance (the query included), on windowed layers
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None: all windowed
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
 
     @property
     def dim_per_head(self) -> int:
@@ -78,7 +79,8 @@ class LlamaConfig:
                    rope_theta=float(theta), rope_scaling=scaling,
                    tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    sliding_window=getattr(config, "sliding_window", None),
-                   layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types))
+                   layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
+                   qkv_bias=FAMILIES[config.model_type].qkv_bias)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class LlamaLayer(nn.Module):
         # Layer i+1's input norm and fused, pair-permuted QKV projection (none after the last layer).
         self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
+        self.next_b_qkv = None if last or not c.qkv_bias else nn.Parameter(torch.zeros(_qkv_rows(c), **factory))
 
     def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None) -> torch.Tensor:
         c, hd = self.config, self.config.dim_per_head
@@ -142,7 +145,8 @@ class LlamaLayer(nn.Module):
         w = NativeBlockWeights(wo=self.wo, g_ffn=self.ffn_norm, w_gate_up=self.w_gate_up, w_down=self.w_down,
                                g_attn=self.next_attn_norm, w_qkv=self.next_w_qkv, n_heads=c.num_attention_heads,
                                n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                               rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling))
+                               rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling),
+                               b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv])
         return block_segment(attn, x, pos, w)
 
 
@@ -180,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory))
         self.first_attn_norm = nn.Parameter(torch.ones(c.hidden_size, **factory))  # layer 0's input norm
         self.first_w_qkv = nn.Parameter(torch.empty(_qkv_rows(c), c.hidden_size, **factory))  # and QKV projection
+        self.first_b_qkv = nn.Parameter(torch.zeros(_qkv_rows(c), **factory)) if c.qkv_bias else None
         self.layers = nn.ModuleList(LlamaLayer(c, last=i == n - 1, **factory) for i in range(n))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size,
@@ -187,22 +192,22 @@ class LlamaForCausalLM(nn.Module):
         self.init_weights(initializer_range)
 
     def init_weights(self, initializer_range: float = 0.02) -> None:
-        """Matrices ~ N(0, initializer_range), norm weights 1 (as in __init__; for a model built on
-        the meta device and materialized with to_empty)."""
+        """Matrices ~ N(0, initializer_range), norm weights 1, biases 0 (as in __init__; for a model
+        built on the meta device and materialized with to_empty)."""
         with torch.no_grad():
-            for p in self.parameters():
+            for name, p in self.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, initializer_range)
                 else:
-                    p.fill_(1.0)
+                    p.fill_(0.0 if name.endswith("b_qkv") else 1.0)
 
-    def _attn_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
-        """HF layer i's input norm and fused QKV weight (held by the model for i = 0, else by
+    def _attn_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter | None]:
+        """HF layer i's input norm, fused QKV weight and bias (held by the model for i = 0, else by
         layers[i - 1], whose segment ends with them)."""
         if i == 0:
-            return self.first_attn_norm, self.first_w_qkv
+            return self.first_attn_norm, self.first_w_qkv, self.first_b_qkv
         prev = self.layers[i - 1]
-        return prev.next_attn_norm, prev.next_w_qkv
+        return prev.next_attn_norm, prev.next_w_qkv, prev.next_b_qkv
 
     # -- conversion ----------------------------------------------------------------------------
 
@@ -245,12 +250,17 @@ class LlamaForCausalLM(nn.Module):
                 used.add("lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                attn_norm, w_qkv = self._attn_params(i)
+                attn_norm, w_qkv, b_qkv = self._attn_params(i)
                 attn_norm.copy_(take(p + "input_layernorm.weight"))
                 w_qkv.copy_(torch.cat([
                     permute_rope_rows(take(p + "self_attn.q_proj.weight"), c.num_attention_heads, hd),
                     permute_rope_rows(take(p + "self_attn.k_proj.weight"), c.num_key_value_heads, hd),
                     take(p + "self_attn.v_proj.weight")]))
+                if b_qkv is not None:  # permuted like the rows they add to
+                    b_qkv.copy_(torch.cat([
+                        permute_rope_rows(take(p + "self_attn.q_proj.bias")[:, None], c.num_attention_heads, hd),
+                        permute_rope_rows(take(p + "self_attn.k_proj.bias")[:, None], c.num_key_value_heads, hd),
+                        take(p + "self_attn.v_proj.bias")[:, None]])[:, 0])
                 layer.ffn_norm.copy_(take(p + "post_attention_layernorm.weight"))
                 layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
                 layer.w_gate_up.copy_(interleave_gate_up(take(p + "mlp.gate_proj.weight"),
@@ -269,6 +279,11 @@ class LlamaForCausalLM(nn.Module):
         c, hd = self.config, self.config.dim_per_head
         nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
 
+        def split_qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """Rows of the fused [P q; P k; v] layout as HF's q, k, v (rows unpermuted)."""
+            return (unpermute_rope_rows(t[:nq], c.num_attention_heads, hd),
+                    unpermute_rope_rows(t[nq:nq + nk], c.num_key_value_heads, hd), t[nq + nk:])
+
         def get(p: torch.Tensor) -> torch.Tensor:
             if not grads:
                 return _full(p.detach())
@@ -277,12 +292,14 @@ class LlamaForCausalLM(nn.Module):
         sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": get(self.embed_tokens)}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn_norm, w_qkv = (get(t) for t in self._attn_params(i))
+            attn_norm, w_qkv, b_qkv = (None if t is None else get(t) for t in self._attn_params(i))
             gate, up = split_gate_up(get(layer.w_gate_up))
+            biases = [None] * 3 if b_qkv is None else [b[:, 0] for b in split_qkv(b_qkv[:, None])]
+            for proj, w, b in zip("qkv", split_qkv(w_qkv), biases):  # HF's order: a weight, then its bias
+                sd[f"{p}self_attn.{proj}_proj.weight"] = w
+                if b is not None:
+                    sd[f"{p}self_attn.{proj}_proj.bias"] = b
             sd.update({
-                p + "self_attn.q_proj.weight": unpermute_rope_rows(w_qkv[:nq], c.num_attention_heads, hd),
-                p + "self_attn.k_proj.weight": unpermute_rope_rows(w_qkv[nq:nq + nk], c.num_key_value_heads, hd),
-                p + "self_attn.v_proj.weight": w_qkv[nq + nk:],
                 p + "self_attn.o_proj.weight": get(layer.wo),
                 p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                 p + "mlp.down_proj.weight": get(layer.w_down),
@@ -317,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
         qkv = first_segment(x, pos, self.first_attn_norm, self.first_w_qkv, n_heads=c.num_attention_heads,
                             n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                            rope_scaling=c.rope_scaling)
+                            rope_scaling=c.rope_scaling, b_qkv=self.first_b_qkv)
         for i, layer in enumerate(self.layers):
             mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its

@@ -192,3 +192,19 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
         coda.models.from_hf(bare)
     with pytest.raises(TypeError, match="a \\*ForCausalLM model is expected"):
         coda.patch(bare)
+
+
+def test_qwen2_bf16_error_is_within_hf_bf16_error() -> None:
+    """The q/k/v biases in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16
+    loss and gradients are no further off than HF's own bf16 run (the bound of test_llama_model's
+    bf16 test: twice HF's error, plus a bf16 ulp, for the different rounding points)."""
+    hf32 = hf_model("qwen2")
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = coda.models.from_hf(hf16)
+    (ref_loss, ref), (hf_loss, hf) = run(hf32), run(hf16)
+    loss, ours = run(model, lambda m: m.to_hf_state_dict(grads=True))
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        hf_err, err = rel(hf[name], g), rel(ours[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"

@@ -44,7 +44,7 @@ def _any(_: Any) -> bool:
 
 
 def _rope_ok(rope: Any) -> bool:
-    """The RoPE coda's epilogues compute (`rope_inv_freq`): theta^(-2i/d) over the whole head,
+    """The RoPE coda's epilogues compute (llama_block.inv_freq): theta^(-2i/d) over the whole head,
     optionally with Llama 3's frequency rule, and nothing else (no partial rotary, no other type)."""
     if rope is None:
         return True

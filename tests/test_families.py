@@ -208,3 +208,16 @@ def test_qwen2_bf16_error_is_within_hf_bf16_error() -> None:
     for name, g in ref.items():
         hf_err, err = rel(hf[name], g), rel(ours[name], g)
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
+def test_from_hf_reads_every_weight() -> None:
+    """A weight the model would not use (a bias its config does not announce) or one it lacks is
+    refused by name, never dropped or left at its initial value."""
+    hf = hf_model("llama")
+    model = coda.models.from_hf(hf)
+    extra = dict(hf.state_dict(), **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
+    with pytest.raises(ValueError, match=r"would not use: model\.layers\.0\.self_attn\.q_proj\.bias"):
+        model.load_hf_state_dict(extra)
+    missing = {k: v for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"has no 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        model.load_hf_state_dict(missing)

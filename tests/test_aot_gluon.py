@@ -262,6 +262,8 @@ SPILLS: dict[str, tuple[int, int]] = {
     "lm_head_stats_fp32": (0, 0),               # 131336
     "rope": (0, 0),                             # 147752
     "rms_rope": (4, 4),                         # 147768
+    "rope_bias": (16, 16),                      # 147768, measured when Qwen2's q/k/v biases came
+    "rms_rope_bias": (44, 44),                  # 147768, measured when Qwen2's q/k/v biases came
     "cross_entropy_grad": (0, 0),               # 147768
     "cross_entropy_grad_zdz": (188, 188),       # 147768
     "residual_norm_stats": (0, 0),              # 180632

@@ -62,6 +62,25 @@ def test_rms_rope_matches_half_split_rope() -> None:
     close(coda.ops.unpermute_rope_rows(out.T, heads, hd).T, ref.reshape(M, heads * hd), D, "rope")
 
 
+def test_rope_bias_epilogues_add_the_bias_before_the_rotation() -> None:
+    """rms_rope_bias / rope_bias: each adjacent column pair of acc * rstd + bias (Qwen2's q/k/v
+    biases, in the projection's column order) rotated by pos * freq; freq 0 (v) leaves it as is."""
+    h, w = rn(M, D), rn(N, D)
+    rstd, pos = torch.rand(M, device=DEVICE) + 0.5, torch.arange(M, device=DEVICE) * 5
+    bias, freq = rn(N), torch.rand(N // 2, device=DEVICE)
+    freq[-3:] = 0.0
+
+    def rotated(z: torch.Tensor) -> torch.Tensor:
+        theta = pos[:, None].float() * freq[None, :]
+        a, b = z[:, 0::2], z[:, 1::2]
+        return torch.stack([a * theta.cos() - b * theta.sin(), a * theta.sin() + b * theta.cos()], -1).reshape(M, N)
+
+    out = coda.gemm(h, w.T, E.rms_rope_bias, rstd=rstd, bias=bias, pos=pos, freq=freq)
+    close(out, rotated(rstd[:, None] * (h @ w.T) + bias), D, "rms_rope_bias")
+    out = coda.gemm(h, w.T, E.rope_bias, bias=bias, pos=pos, freq=freq)
+    close(out, rotated(h @ w.T + bias), D, "rope_bias")
+
+
 def test_lm_head_stats_and_cross_entropy_grad() -> None:
     x, w = rn(M, D), rn(N, D)
     target = torch.randint(0, N, (M,), device=DEVICE)

@@ -82,7 +82,7 @@ def test_patch_is_per_instance_and_idempotent() -> None:
 def test_unpatchable_models_are_refused_clearly() -> None:
     with pytest.raises(TypeError, match=r"hidden_act='gelu'"):
         coda.patch(hf_model("llama", hidden_act="gelu"))
-    with pytest.raises(TypeError, match=r"cannot patch Linear: model_type None is not one of"):
+    with pytest.raises(TypeError, match=r"cannot patch Linear: model_type None is not supported \(supported: llama"):
         coda.patch(torch.nn.Linear(4, 4))
 
 

@@ -1,4 +1,4 @@
-"""coda.patch: run a transformers Llama-family model (Llama, Mistral) through coda's ops, in place.
+"""coda.patch: run a transformers Llama-shaped model (Llama, Mistral, Qwen2, Qwen3) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -14,7 +14,8 @@ What runs through coda:
   materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
 What stays HF's: the q/k/v projections (three separate projections inside HF's attention, which
-coda does not rewrite), RoPE and attention.
+coda does not rewrite), RoPE and attention, with whatever the family does there (Qwen2's q/k/v
+biases, Qwen3's QK-norm, sliding windows). Which families and config fields fit: families.py.
 """
 
 from __future__ import annotations
@@ -30,11 +31,9 @@ from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.rmsnorm import rmsnorm
 from ..ops.rmsnorm_linear import rmsnorm_linear
 from ..ops.rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
+from . import families
 
 log = logging.getLogger("coda")
-
-SUPPORTED = ("llama", "mistral")
-
 
 def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
@@ -91,28 +90,20 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 
 def _check(model: nn.Module) -> list[str]:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    problems = []
-    if model_type not in SUPPORTED:
-        problems.append(f"model_type {model_type!r} is not one of {SUPPORTED}")
+    problems = families.problems(getattr(model, "config", None), families.PATCH)
     for what, ok in (("a .model.layers list", hasattr(getattr(model, "model", None), "layers")),
                      ("a .model.norm", hasattr(getattr(model, "model", None), "norm")),
                      ("an .lm_head", isinstance(getattr(model, "lm_head", None), nn.Linear))):
         if not ok:
             problems.append(f"it has no {what} (a *ForCausalLM model is expected)")
-    if config is not None:
-        if getattr(config, "hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={config.hidden_act!r} (coda's MLP is SwiGLU)")
-        if getattr(config, "mlp_bias", False):
-            problems.append("mlp_bias=True (coda's MLP has no bias)")
     if hasattr(model, "lm_head") and getattr(model.lm_head, "bias", None) is not None:
         problems.append("lm_head has a bias")
     return problems
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Patch a transformers Llama or Mistral *ForCausalLM model in place to run coda's ops.
+    """Patch a transformers *ForCausalLM model of a family families.supported(PATCH) lists in place
+    to run coda's ops.
 
     Returns the model; `model.coda_patched` lists the swapped modules by name (also logged to the
     "coda" logger). Raises TypeError naming what does not fit for a model it cannot patch.

@@ -4,7 +4,8 @@ The residual stream is cut at shifted boundaries (docs/ALGEBRA.md 7): `first_seg
 embedding to layer 0's QKV projection, `block_segment` from layer l's attention output to layer
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
-Attention is `F.scaled_dot_product_attention` (causal, GQA) between them. The parameters are held
+Attention is `F.scaled_dot_product_attention` (causal, GQA; padding, packed documents and sliding
+windows as masks built once per forward: masks.py) between them. The parameters are held
 in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
 forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
 `from_hf` / `to_hf_state_dict` convert from and to transformers' names, grouping and layouts.
@@ -22,8 +23,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from .families import FAMILIES, FROM_HF, problems
 from .llama_block import NativeBlockWeights, block_segment
 from .llama_ends import first_segment, last_segment
+from .masks import AttentionMask, build, documents, padding
 
 
 @dataclass(frozen=True)
@@ -41,40 +44,43 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3: factor, low, high, original max pos
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # keys within this distance (the query included), on windowed layers
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None: all windowed
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full causal attention)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
-        """From a transformers LlamaConfig (v4.56 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
-        problems = []
-        if getattr(config, "hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={config.hidden_act!r} (coda's MLP is SwiGLU)")
-        for flag in ("attention_bias", "mlp_bias"):
-            if getattr(config, flag, False):
-                problems.append(f"{flag}=True (coda's projections have no bias)")
-        if (getattr(config, "pretraining_tp", 1) or 1) != 1:
-            problems.append(f"pretraining_tp={config.pretraining_tp}")
+        """From a transformers config of a family `coda.models.from_hf` supports (families.py: every
+        field either handled or refused; v4.56 `rope_theta`/`rope_scaling` or v5 `rope_parameters`)."""
+        found = problems(config, FROM_HF)
+        if found:
+            raise ValueError("coda.models.from_hf cannot compute this model as transformers does: " + "; ".join(found))
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
-        if rope_type == "llama3":
+        if rope.get("rope_type", rope.get("type", "default")) == "llama3":
             scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
                        float(rope["original_max_position_embeddings"]))
-        elif rope_type != "default":
-            problems.append(f"rope_type={rope_type!r} (coda supports 'default' and 'llama3')")
-        if problems:
-            raise ValueError("coda LlamaForCausalLM cannot represent this config: " + "; ".join(problems))
         heads = config.num_attention_heads
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                    num_attention_heads=heads, num_key_value_heads=config.num_key_value_heads or heads,
                    head_dim=getattr(config, "head_dim", None), rms_norm_eps=float(config.rms_norm_eps),
                    rope_theta=float(theta), rope_scaling=scaling,
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   sliding_window=getattr(config, "sliding_window", None),
+                   layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
+                   qkv_bias=FAMILIES[config.model_type].qkv_bias)
 
 
 @dataclass
@@ -108,20 +114,29 @@ class LlamaLayer(nn.Module):
         # Layer i+1's input norm and fused, pair-permuted QKV projection (none after the last layer).
         self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
+        self.next_b_qkv = None if last or not c.qkv_bias else nn.Parameter(torch.zeros(_qkv_rows(c), **factory))
 
-    def _attention(self, qkv: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None) -> torch.Tensor:
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
         q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd), enable_gqa=h != kv)
+        scale, gqa = 1.0 / math.sqrt(hd), h != kv
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale, enable_gqa=gqa)
+            if mask.live is not None:
+                out = out.masked_fill(~mask.live, 0.0)
         return out.transpose(1, 2).reshape(batch * seq, h * hd)
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
-                final_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                final_norm: torch.Tensor | None = None,
+                mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x_{i+1}, qkv_{i+1}); for the last layer (final norm output, None), `final_norm` being
-        the model's norm weight (a root parameter, gathered for the whole step under FSDP2)."""
+        the model's norm weight (a root parameter, gathered for the whole step under FSDP2).
+        `mask`: this layer's attention mask (masks.py; None: causal)."""
         c = self.config
-        attn = self._attention(qkv, batch, seq)
+        attn = self._attention(qkv, batch, seq, mask)
         if self.next_w_qkv is None:
             if final_norm is None:
                 raise ValueError("the last LlamaLayer needs the model's final norm weight")
@@ -130,7 +145,8 @@ class LlamaLayer(nn.Module):
         w = NativeBlockWeights(wo=self.wo, g_ffn=self.ffn_norm, w_gate_up=self.w_gate_up, w_down=self.w_down,
                                g_attn=self.next_attn_norm, w_qkv=self.next_w_qkv, n_heads=c.num_attention_heads,
                                n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                               rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling))
+                               rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling),
+                               b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv])
         return block_segment(attn, x, pos, w)
 
 
@@ -151,7 +167,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 class LlamaForCausalLM(nn.Module):
     """A Llama decoder + LM head + loss on coda's fused ops. `model(input_ids, labels=None,
-    position_ids=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward.
+    position_ids=None, attention_mask=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward.
 
     The parameters are nn.Parameters of the module that reads them: the embedding, layer 0's input
     norm and QKV projection (the first segment), the final norm and the LM head on the model, the rest
@@ -168,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory))
         self.first_attn_norm = nn.Parameter(torch.ones(c.hidden_size, **factory))  # layer 0's input norm
         self.first_w_qkv = nn.Parameter(torch.empty(_qkv_rows(c), c.hidden_size, **factory))  # and QKV projection
+        self.first_b_qkv = nn.Parameter(torch.zeros(_qkv_rows(c), **factory)) if c.qkv_bias else None
         self.layers = nn.ModuleList(LlamaLayer(c, last=i == n - 1, **factory) for i in range(n))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size,
@@ -175,30 +192,34 @@ class LlamaForCausalLM(nn.Module):
         self.init_weights(initializer_range)
 
     def init_weights(self, initializer_range: float = 0.02) -> None:
-        """Matrices ~ N(0, initializer_range), norm weights 1 (as in __init__; for a model built on
-        the meta device and materialized with to_empty)."""
+        """Matrices ~ N(0, initializer_range), norm weights 1, biases 0 (as in __init__; for a model
+        built on the meta device and materialized with to_empty)."""
         with torch.no_grad():
-            for p in self.parameters():
+            for name, p in self.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, initializer_range)
                 else:
-                    p.fill_(1.0)
+                    p.fill_(0.0 if name.endswith("b_qkv") else 1.0)
 
-    def _attn_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
-        """HF layer i's input norm and fused QKV weight (held by the model for i = 0, else by
+    def _attn_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter | None]:
+        """HF layer i's input norm, fused QKV weight and bias (held by the model for i = 0, else by
         layers[i - 1], whose segment ends with them)."""
         if i == 0:
-            return self.first_attn_norm, self.first_w_qkv
+            return self.first_attn_norm, self.first_w_qkv, self.first_b_qkv
         prev = self.layers[i - 1]
-        return prev.next_attn_norm, prev.next_w_qkv
+        return prev.next_attn_norm, prev.next_w_qkv, prev.next_b_qkv
 
     # -- conversion ----------------------------------------------------------------------------
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:
-        """The same weights as a transformers LlamaForCausalLM, copied into coda's layouts (same
-        dtype and device)."""
-        config = LlamaConfig.from_hf(hf_model.config)
+        """The same weights as a transformers causal LM of a supported family (families.py), copied
+        into coda's layouts (same dtype and device). ValueError naming the model_type or the field
+        for anything coda would compute differently."""
+        config = LlamaConfig.from_hf(getattr(hf_model, "config", None))
+        if not isinstance(getattr(hf_model, "lm_head", None), nn.Linear) or hf_model.lm_head.bias is not None:
+            raise ValueError(f"coda.models.from_hf: {type(hf_model).__name__} is not a causal LM with a bias-free "
+                             f"lm_head (model_type {hf_model.config.model_type!r}: pass its *ForCausalLM model)")
         sd = hf_model.state_dict()
         ref = sd["model.embed_tokens.weight"]
         with torch.device("meta"):
@@ -209,25 +230,46 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named, HF-layout weights into this model's parameters (unsharded parameters:
-        load before fully_shard)."""
+        load before fully_shard). Every weight is read: ValueError for one missing or one left
+        over (a bias, an extra norm: something this model would not compute)."""
         c, hd = self.config, self.config.dim_per_head
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"coda.models.from_hf: the state dict has no {name!r}")
+            used.add(name)
+            return sd[name]
+
         with torch.no_grad():
-            self.embed_tokens.copy_(sd["model.embed_tokens.weight"])
-            self.norm.copy_(sd["model.norm.weight"])
+            self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+            self.norm.copy_(take("model.norm.weight"))
             if self.lm_head is not None:
-                self.lm_head.copy_(sd["lm_head.weight"])
+                self.lm_head.copy_(take("lm_head.weight"))
+            elif "lm_head.weight" in sd:  # tied: HF lists the shared weight under both names
+                used.add("lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                attn_norm, w_qkv = self._attn_params(i)
-                attn_norm.copy_(sd[p + "input_layernorm.weight"])
+                attn_norm, w_qkv, b_qkv = self._attn_params(i)
+                attn_norm.copy_(take(p + "input_layernorm.weight"))
                 w_qkv.copy_(torch.cat([
-                    permute_rope_rows(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads, hd),
-                    permute_rope_rows(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads, hd),
-                    sd[p + "self_attn.v_proj.weight"]]))
-                layer.ffn_norm.copy_(sd[p + "post_attention_layernorm.weight"])
-                layer.wo.copy_(sd[p + "self_attn.o_proj.weight"])
-                layer.w_gate_up.copy_(interleave_gate_up(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]))
-                layer.w_down.copy_(sd[p + "mlp.down_proj.weight"])
+                    permute_rope_rows(take(p + "self_attn.q_proj.weight"), c.num_attention_heads, hd),
+                    permute_rope_rows(take(p + "self_attn.k_proj.weight"), c.num_key_value_heads, hd),
+                    take(p + "self_attn.v_proj.weight")]))
+                if b_qkv is not None:  # permuted like the rows they add to
+                    b_qkv.copy_(torch.cat([
+                        permute_rope_rows(take(p + "self_attn.q_proj.bias")[:, None], c.num_attention_heads, hd),
+                        permute_rope_rows(take(p + "self_attn.k_proj.bias")[:, None], c.num_key_value_heads, hd),
+                        take(p + "self_attn.v_proj.bias")[:, None]])[:, 0])
+                layer.ffn_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.w_gate_up.copy_(interleave_gate_up(take(p + "mlp.gate_proj.weight"),
+                                                         take(p + "mlp.up_proj.weight")))
+                layer.w_down.copy_(take(p + "mlp.down_proj.weight"))
+        unused = sorted(set(sd) - used)
+        if unused:
+            raise ValueError(f"coda.models.from_hf: weights this model would not use: {', '.join(unused[:8])}"
+                             + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
 
     def to_hf_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
         """transformers' names and layouts (new contiguous tensors; the exact inverse of from_hf).
@@ -237,6 +279,11 @@ class LlamaForCausalLM(nn.Module):
         c, hd = self.config, self.config.dim_per_head
         nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
 
+        def split_qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """Rows of the fused [P q; P k; v] layout as HF's q, k, v (rows unpermuted)."""
+            return (unpermute_rope_rows(t[:nq], c.num_attention_heads, hd),
+                    unpermute_rope_rows(t[nq:nq + nk], c.num_key_value_heads, hd), t[nq + nk:])
+
         def get(p: torch.Tensor) -> torch.Tensor:
             if not grads:
                 return _full(p.detach())
@@ -245,12 +292,14 @@ class LlamaForCausalLM(nn.Module):
         sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": get(self.embed_tokens)}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn_norm, w_qkv = (get(t) for t in self._attn_params(i))
+            attn_norm, w_qkv, b_qkv = (None if t is None else get(t) for t in self._attn_params(i))
             gate, up = split_gate_up(get(layer.w_gate_up))
+            biases = [None] * 3 if b_qkv is None else [b[:, 0] for b in split_qkv(b_qkv[:, None])]
+            for proj, w, b in zip("qkv", split_qkv(w_qkv), biases):  # HF's order: a weight, then its bias
+                sd[f"{p}self_attn.{proj}_proj.weight"] = w
+                if b is not None:
+                    sd[f"{p}self_attn.{proj}_proj.bias"] = b
             sd.update({
-                p + "self_attn.q_proj.weight": unpermute_rope_rows(w_qkv[:nq], c.num_attention_heads, hd),
-                p + "self_attn.k_proj.weight": unpermute_rope_rows(w_qkv[nq:nq + nk], c.num_key_value_heads, hd),
-                p + "self_attn.v_proj.weight": w_qkv[nq + nk:],
                 p + "self_attn.o_proj.weight": get(layer.wo),
                 p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                 p + "mlp.down_proj.weight": get(layer.w_down),
@@ -264,26 +313,45 @@ class LlamaForCausalLM(nn.Module):
     # -- forward -------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> CausalLMOutput:
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+        """`attention_mask` [B, S]: 0 marks padding (never attended); `position_ids` [B, S] or [1, S]:
+        RoPE positions, and without `attention_mask` the documents packed in a row (a new one where
+        the position does not step by +1; attention stays inside it), as transformers (masks.py)."""
         c = self.config
         batch, seq = input_ids.shape
+        docs = None
         if position_ids is None:
             pos = torch.arange(seq, device=input_ids.device).repeat(batch)
         else:
-            pos = position_ids.expand(batch, seq).reshape(-1)
+            position_ids = position_ids.expand(batch, seq)
+            pos = position_ids.reshape(-1)
+            if attention_mask is None:
+                docs = documents(position_ids)
+        pad = padding(attention_mask)
+        masks = {w: build(batch, seq, input_ids.device, padding=pad, docs=docs, window=w)
+                 for w in {c.window(i) for i in range(c.num_hidden_layers)}}
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
         qkv = first_segment(x, pos, self.first_attn_norm, self.first_w_qkv, n_heads=c.num_attention_heads,
                             n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                            rope_scaling=c.rope_scaling)
-        for layer in self.layers:
+                            rope_scaling=c.rope_scaling, b_qkv=self.first_b_qkv)
+        for i, layer in enumerate(self.layers):
+            mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its
             # parameters for the forward and again for the recomputation in backward.
             if self.checkpoint and self.training and torch.is_grad_enabled():
-                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, use_reentrant=False)
+                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, mask, use_reentrant=False)
             else:
-                x, qkv = layer(x, qkv, pos, batch, seq, self.norm)
+                x, qkv = layer(x, qkv, pos, batch, seq, self.norm, mask)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if labels is None:
             return CausalLMOutput(logits=F.linear(x, head).view(batch, seq, -1))
         target = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)  # HF's shift: token t predicts t + 1
         return CausalLMOutput(loss=linear_cross_entropy(x, head, target))
+
+
+def from_hf(hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:
+    """A coda causal LM with the weights of a transformers *ForCausalLM of any family from_hf
+    supports (families.supported(FROM_HF)). Each of them is a Llama-shaped decoder today, so each is
+    a LlamaForCausalLM; ValueError naming the model_type or the config field otherwise."""
+    return LlamaForCausalLM.from_hf(hf_model, checkpoint=checkpoint)

@@ -87,6 +87,8 @@ class NativeBlockWeights:
     eps: float = 1e-6
     rope_base: float = 10000.0
     rope_scaling: list[float] | None = None  # as in BlockWeights
+    # The q/k/v biases (Qwen2), [(H + 2 KV) hd] permuted like w_qkv's rows: one tensor, or none.
+    b_qkv: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         rows, heads = self.w_qkv.shape[0], self.n_heads + 2 * self.n_kv_heads
@@ -94,6 +96,9 @@ class NativeBlockWeights:
             raise ValueError(f"NativeBlockWeights: w_qkv {list(self.w_qkv.shape)} is not [(n_heads + 2 n_kv_heads) * "
                              f"head_dim, D] with an even head_dim for n_heads={self.n_heads}, "
                              f"n_kv_heads={self.n_kv_heads}")
+        if len(self.b_qkv) > 1 or any(b.shape != (rows,) for b in self.b_qkv):
+            raise ValueError(f"NativeBlockWeights: b_qkv must be [] or one [{rows}] tensor, got "
+                             f"{[list(b.shape) for b in self.b_qkv]}")
         if self.w_gate_up.dim() != 2 or self.w_gate_up.shape[0] != 2 * self.w_down.shape[1]:
             raise ValueError(f"NativeBlockWeights: w_gate_up {list(self.w_gate_up.shape)} must be [2F, D] for "
                              f"w_down {list(self.w_down.shape)} = [D, F]")
@@ -117,11 +122,14 @@ class NativeBlockWeights:
     def leaves(self) -> NativeBlockWeights:
         """The same values as fresh autograd leaves: what a model storing this layout holds as parameters."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return dataclasses.replace(self, **{name: t.detach().requires_grad_() for name, t in values.items()
-                                            if isinstance(t, torch.Tensor)})
+        leaves = {name: t.detach().requires_grad_() for name, t in values.items() if isinstance(t, torch.Tensor)}
+        return dataclasses.replace(self, **leaves, b_qkv=[b.detach().requires_grad_() for b in self.b_qkv])
 
     def to_standard(self) -> BlockWeights:
-        """The inverse layouts (also turns gradients of native weights into standard ones)."""
+        """The inverse layouts (also turns gradients of native weights into standard ones).
+        BlockWeights has no biases: weights with b_qkv are refused rather than dropped."""
+        if self.b_qkv:
+            raise ValueError("NativeBlockWeights.to_standard: BlockWeights has no q/k/v biases")
         hd, nq, nk = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         w_gate, w_up = split_gate_up(self.w_gate_up)
         return BlockWeights(self.wo, self.g_ffn, w_gate.contiguous(), w_up.contiguous(), self.w_down, self.g_attn,
@@ -174,8 +182,9 @@ def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, sc
 # -- the ops: one pair per weight layout, the weights as named arguments -----------------------
 
 def _tensor_fields(cls: type) -> tuple[str, ...]:
+    """The fields that get gradients: tensors and lists of tensors (b_qkv)."""
     hints = typing.get_type_hints(cls)
-    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] is torch.Tensor)
+    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] in (torch.Tensor, list[torch.Tensor]))
 
 
 def _prototype(name: str, cls: type, lead: tuple[str, ...], returns: object, body: Callable) -> Callable:
@@ -208,7 +217,10 @@ def _forward(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]
     """(x2, qkv) and what backward keeps: x1, rstd1, z1, rstd2."""
     x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(t["attn_out"], t["x0"], w.wo, w.g_ffn, w.w_gate_up, w.w_down,
                                                     w.g_attn, w.eps)
-    qkv = gemm(h2, w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=t["pos"], freq=_rope_freq(w))
+    if w.b_qkv:
+        qkv = gemm(h2, w.w_qkv.T, E.rms_rope_bias, rstd=rstd2, bias=w.b_qkv[0], pos=t["pos"], freq=_rope_freq(w))
+    else:
+        qkv = gemm(h2, w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=t["pos"], freq=_rope_freq(w))
     return x2, qkv, x1, rstd1, z1, rstd2
 
 
@@ -242,6 +254,7 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     # RoPE backward: rotate by -theta (a row pass); the rotation keeps dot products, so
     # zdz = sum(z * dz) = sum(qkv * d_qkv).
     dz2, zdz2 = rope_backward(t["d_qkv"], t["qkv"], t["pos"], freq)
+    zdz2, d_b = qkv_bias_backward(dz2, zdz2, w.b_qkv)
     # The residual gradient: each RMSNorm-backward GEMM adds its input gradient to it, into a
     # fresh tensor (bench/profile_ops.py times this against accumulating in place).
     n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(d_x2)}, grad=d_x2, x=x2,
@@ -252,7 +265,19 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     d_w = NativeBlockWeights(wo=d_wo, g_ffn=dg_ffn, w_gate_up=d_wgu, w_down=d_wdown,
                              g_attn=n2["dg"].to(w.g_attn.dtype), w_qkv=d_wqkv, n_heads=w.n_heads,
                              n_kv_heads=w.n_kv_heads)
-    return [d_attn, grad, *(d_w if isinstance(given, NativeBlockWeights) else d_w.to_standard()).tensors()]
+    return [d_attn, grad, *(d_w if isinstance(given, NativeBlockWeights) else d_w.to_standard()).tensors(), *d_b]
+
+
+def qkv_bias_backward(dz: torch.Tensor, zdz: torch.Tensor,
+                      b_qkv: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """With q/k/v biases, the QKV projection's output z = n W^T + b: the bias gradient is the sum
+    of dz (after RoPE backward) over rows, and the input norm's row term <n, dn> = <z - b, dz> loses
+    <b, dz> from rope_backward's <z, dz>. (zdz corrected, [d_b] or []). Both are torch row
+    reductions over dz for now, a pass the RoPE-backward kernel could fold in."""
+    if not b_qkv:
+        return zdz, []
+    b = b_qkv[0]
+    return zdz - dz.float() @ b.float(), [dz.float().sum(0).to(b.dtype)]
 
 
 def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor,
@@ -273,7 +298,8 @@ def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tens
 
 
 def _backward_fake(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
-    return [torch.empty_like(t["attn_out"]), torch.empty_like(t["d_x2"]), *(torch.empty_like(x) for x in given.tensors())]
+    return [torch.empty_like(t["attn_out"]), torch.empty_like(t["d_x2"]), *(torch.empty_like(x) for x in given.tensors()),
+            *(torch.empty_like(b) for b in w.b_qkv)]
 
 
 def _save(attn_out, x0, pos, *weights_and_config, out):

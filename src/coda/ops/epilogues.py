@@ -117,6 +117,19 @@ def qknorm_rope_backward(head_dim: int) -> Epilogue:
 
 
 @epilogue
+def rms_rope_bias(acc, rstd: VecM, bias: VecN, pos: VecM, freq: VecN(width=0.5)):
+    """rms_rope with a projection bias (Qwen2's q/k/v) added before the rotation, in the
+    projection's (pair-permuted) column order: rope(acc * rstd + bias)."""
+    return _rotate(acc * rstd + bias, pos, freq)
+
+
+@epilogue
+def rope_bias(acc, bias: VecN, pos: VecM, freq: VecN(width=0.5)):
+    """rope with a projection bias added before the rotation: rope(acc + bias)."""
+    return _rotate(acc + bias, pos, freq)
+
+
+@epilogue
 def lm_head_stats(acc, target: VecM):
     """Section 4 forward: per-row logsumexp and target logit; the logits are never stored."""
     return {

@@ -1,0 +1,138 @@
+"""Which transformers decoder families coda runs, through which entry point, and what each config
+field must be for coda to compute what transformers computes: the one place that decides.
+
+Two entry points read these rules: `coda.models.from_hf` (FROM_HF: coda's own model, every layer
+rewritten, attention included) and `coda.patch` (PATCH: HF's modules kept, coda runs the norms, the
+MLP and the LM head; HF's attention, RoPE and q/k/v projections stay). Every field of a config
+(`config.to_dict()`) is either irrelevant to the math (token ids, cache and output flags, ...),
+handled (a predicate on its value, per entry point: an attention-only field cannot change what
+PATCH rewrites), or refused. A field no rule names, such as one a later transformers adds, is
+refused: never a silently different model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+FROM_HF, PATCH = "from_hf", "patch"
+BOTH = frozenset({FROM_HF, PATCH})
+
+# Config fields no supported family's math reads (PreTrainedConfig's own and the usual extras).
+IRRELEVANT = frozenset({
+    "_name_or_path", "transformers_version", "model_type", "architectures", "dtype", "torch_dtype",
+    "output_attentions", "output_hidden_states", "return_dict", "use_cache", "is_encoder_decoder",
+    "chunk_size_feed_forward", "problem_type", "id2label", "label2id", "tokenizer_class",
+    "pad_token_id", "bos_token_id", "eos_token_id", "max_position_embeddings", "initializer_range",
+})
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A handled field: `ok(value)` says whether coda computes this value as HF does; `handles`
+    says which values it does (for the error message); `entries` are the entry points whose math
+    the field changes (for the others it is irrelevant)."""
+
+    ok: Callable[[Any], bool]
+    handles: str
+    entries: frozenset[str] = BOTH
+
+
+def _any(_: Any) -> bool:
+    return True
+
+
+def _rope_ok(rope: Any) -> bool:
+    """The RoPE coda's epilogues compute (llama_block.inv_freq): theta^(-2i/d) over the whole head,
+    optionally with Llama 3's frequency rule, and nothing else (no partial rotary, no other type)."""
+    if rope is None:
+        return True
+    if not isinstance(rope, Mapping):
+        return False
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    keys = {"rope_type", "type", "rope_theta"}
+    if kind == "llama3":
+        keys |= {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    elif kind != "default":
+        return False
+    return set(rope) <= keys
+
+
+ANY = Rule(_any, "any value")
+# Fields any value of which coda computes as HF does: sizes, the norms' eps, a tied LM head.
+SHAPE = {name: ANY for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "rms_norm_eps", "tie_word_embeddings")}
+SILU = Rule(lambda v: v == "silu", "'silu' (SwiGLU)")
+NO_BIAS = Rule(lambda v: not v, "False")
+ROPE = Rule(_rope_ok, "rope_type 'default' or 'llama3' over the whole head", frozenset({FROM_HF}))
+# Attention-only fields: coda.patch keeps HF's attention, so only coda's own model must handle them.
+ATTENTION = {
+    "num_key_value_heads": ANY, "head_dim": ANY,
+    "rope_parameters": ROPE, "rope_scaling": ROPE, "rope_theta": ANY,
+    # Dropout on the attention weights changes training math: coda's attention has none.
+    "attention_dropout": Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF})),
+}
+# Read by the config class when it is built (to set other fields), never by the model.
+DERIVED = Rule(_any, "any value", frozenset())
+
+
+def _attention_only(rule: Rule) -> Rule:
+    return Rule(rule.ok, rule.handles, frozenset({FROM_HF}))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers `model_type`, the entry points that support it, and its fields' rules."""
+
+    model_type: str
+    entries: frozenset[str]
+    fields: Mapping[str, Rule]
+    qkv_bias: bool = False  # its q/k/v projections always carry biases (Qwen2), whatever the config says
+
+
+_LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
+          "attention_bias": _attention_only(NO_BIAS),
+          # transformers 4.x splits the projections into `pretraining_tp` slices; coda handles none.
+          "pretraining_tp": Rule(lambda v: v in (None, 1), "1")}
+# Qwen3's QK-norm lives inside HF's attention: coda.patch runs it as HF does; coda's own model does
+# not compute it yet. Sliding windows, per layer: masks.py; Qwen2's q/k/v biases: Family.qkv_bias.
+LAYER_TYPES = Rule(lambda v: v is None or set(v) <= {"full_attention", "sliding_attention"},
+                   "'full_attention' and 'sliding_attention' layers")
+_WINDOWS = {"sliding_window": ANY,
+            # Qwen2/3: these set sliding_window and layer_types, which the model reads.
+            "use_sliding_window": DERIVED, "max_window_layers": DERIVED,
+            "layer_types": _attention_only(LAYER_TYPES)}
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", BOTH, _LLAMA),
+    Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
+    Family("qwen2", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}, qkv_bias=True),
+    Family("qwen3", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU,
+                                         "attention_bias": _attention_only(NO_BIAS), **_WINDOWS}),
+)}
+
+
+def supported(entry: str) -> tuple[str, ...]:
+    """The model_types `entry` (FROM_HF or PATCH) supports."""
+    return tuple(name for name, f in FAMILIES.items() if entry in f.entries)
+
+
+def problems(config: Any, entry: str) -> list[str]:
+    """Why `entry` cannot compute this transformers config as HF does (empty: it can). Each problem
+    names the model_type and the field."""
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None or entry not in family.entries:
+        return [f"model_type {model_type!r} is not supported (supported: {', '.join(supported(entry))})"]
+    found = []
+    for name, value in config.to_dict().items():
+        if name in IRRELEVANT:
+            continue
+        rule = family.fields.get(name)
+        if rule is None:
+            found.append(f"{model_type}: config field {name}={value!r} is not one coda knows (refused: it may "
+                         "change the math)")
+        elif entry in rule.entries and not rule.ok(value):
+            found.append(f"{model_type}: {name}={value!r} (coda handles {rule.handles})")
+    return found

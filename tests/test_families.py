@@ -1,0 +1,223 @@
+"""Every transformers decoder family with a causal-LM model is either computed as transformers
+computes it or refused, by `coda.models.from_hf` (ValueError) and `coda.patch` (TypeError), with a
+message naming the model_type or the config field. Refusals are decided from the config alone
+(families.py), so most families need no model built; the supported ones are built tiny and compared
+with transformers in fp32: loss and every parameter gradient, every norm weight and bias perturbed
+away from its initial value."""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections.abc import Callable
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import coda  # noqa: E402
+from coda.models import families  # noqa: E402
+from coda.models.families import FROM_HF, PATCH  # noqa: E402
+from conftest import DEVICE  # noqa: E402
+
+VOCAB, SEQ = 96, 8
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+CAUSAL_LM = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+CONFIGS = transformers.CONFIG_MAPPING
+
+# The tiny models each supported (family, entry point) is checked on below; every supported family
+# must appear here (test_every_causal_lm_family_is_supported_and_tested_or_refused).
+FROM_HF_CASES = {
+    "llama": dict(tie_word_embeddings=True),
+    "mistral": dict(sliding_window=4),  # a window shorter than the sequence
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
+}
+PATCH_CASES = {
+    "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
+    "mistral": dict(sliding_window=4),  # a window shorter than the sequence: HF's attention
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
+    "qwen3": dict(),  # QK-norm inside HF's attention
+}
+
+
+class Shell(torch.nn.Module):
+    """Something with a transformers config and nothing else: enough for a refusal decided by the
+    config."""
+
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        self.config = config
+
+
+def default_config(model_type: str) -> object:
+    """The family's default config; where its defaults do not build (a config that needs sizes),
+    its model_type alone, which is all a refusal by model_type reads."""
+    try:
+        return CONFIGS[model_type]()
+    except Exception:  # noqa: BLE001  (any validation error of a config class coda does not use)
+        return types.SimpleNamespace(model_type=CONFIGS[model_type].model_type)
+
+
+def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = CONFIGS[model_type](**SHAPE, **kw)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device=DEVICE, dtype=torch.float32)
+    with torch.no_grad():  # HF starts norms at ones and biases at zeros: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g).to(DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def run(model: torch.nn.Module, grads: Callable[[torch.nn.Module], dict] | None = None) -> tuple:
+    """(loss, {name: gradient}) in fp64 of one training step on `batch()`; HF's names."""
+    ids, labels = batch()
+    out = model(ids, labels=labels) if isinstance(model, coda.models.LlamaForCausalLM) else \
+        model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out.loss.detach().double(), {n: g.double() for n, g in (grads or hf_grads)(model).items()}
+
+
+def assert_like_hf(hf: torch.nn.Module, ours: tuple) -> None:
+    """`ours` (loss, gradients) against transformers' fp32 run, measured from its fp64 run: within
+    1e-5 (relative), or where HF's own fp32 gradient is further than 0.5e-5 from fp64 (attention
+    gradients through large q/k biases are that ill-conditioned), within twice HF's own error."""
+    hf32 = run(hf, hf_grads)
+    hf64 = run(copy.deepcopy(hf).double(), hf_grads)
+    assert abs(ours[0] - hf32[0]) < 1e-5 * abs(hf32[0])
+    assert set(ours[1]) == set(hf64[1])
+    for name, g in hf64[1].items():
+        err, hf_err = rel(ours[1][name], g), rel(hf32[1][name], g)
+        assert err < max(1e-5, 2 * hf_err), f"{name}: relative error {err:.3g} (HF fp32's own: {hf_err:.3g})"
+
+
+def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    sd = {n: p.grad for n, p in model.named_parameters()}
+    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])  # tied: one parameter
+    return sd
+
+
+@pytest.mark.parametrize("entry", [FROM_HF, PATCH])
+def test_every_causal_lm_family_is_supported_and_tested_or_refused(entry: str) -> None:
+    tested = FROM_HF_CASES if entry == FROM_HF else PATCH_CASES
+    assert set(families.supported(entry)) == set(tested)
+    error = ValueError if entry == FROM_HF else TypeError
+    convert = coda.models.from_hf if entry == FROM_HF else coda.patch
+    refused = 0
+    for model_type in CAUSAL_LM:
+        config = default_config(model_type)
+        if config.model_type in tested:
+            continue  # built and compared with transformers below
+        with pytest.raises(error, match=f"model_type {config.model_type!r} is not supported"):
+            convert(Shell(config))
+        refused += 1
+    assert refused > 100  # the mapping was read: transformers has well over a hundred such families
+
+
+@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+def test_from_hf_matches_hf_in_fp32(model_type: str) -> None:
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type])
+    model = coda.models.from_hf(hf)
+    assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
+
+
+@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type])
+    sd, ref = coda.models.from_hf(hf).to_hf_state_dict(), hf.state_dict()
+    assert list(sd) == list(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("model_type", sorted(PATCH_CASES))
+def test_patch_matches_hf_in_fp32(model_type: str) -> None:
+    hf = hf_model(model_type, **PATCH_CASES[model_type])
+    model = coda.patch(copy.deepcopy(hf))
+    assert_like_hf(hf, run(model))
+
+
+@pytest.mark.parametrize("model_type,kw,field", [
+    ("llama", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(mlp_bias=True), "mlp_bias"),
+    ("llama", dict(attention_dropout=0.1), "attention_dropout"),  # dropout changes training math
+    ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    ("llama", dict(pretraining_tp=2), "pretraining_tp"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "rope_parameters"),
+    ("llama", dict(some_future_field=1), "some_future_field"),  # unknown: refused, not ignored
+])
+def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, field: str) -> None:
+    config = CONFIGS[model_type](**SHAPE, **kw)
+    with pytest.raises(ValueError, match=rf"{model_type}: .*{field}="):
+        coda.models.from_hf(Shell(config))
+
+
+def test_patch_refuses_fields_that_change_what_it_rewrites() -> None:
+    for kw, field in ((dict(hidden_act="gelu"), "hidden_act"), (dict(mlp_bias=True), "mlp_bias"),
+                      (dict(some_future_field=1), "some_future_field")):
+        with pytest.raises(TypeError, match=rf"llama: .*{field}="):
+            coda.patch(Shell(transformers.LlamaConfig(**SHAPE, **kw)))
+
+
+@pytest.mark.parametrize("model_type", ["granite", "gemma2", "gemma3_text", "cohere", "phi3", "olmo2", "mixtral"])
+def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
+    config = default_config(model_type)
+    for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):
+        with pytest.raises(error, match=f"model_type {model_type!r} is not supported"):
+            convert(Shell(config))
+
+
+def test_real_models_that_do_not_fit_are_refused() -> None:
+    qwen3 = hf_model("qwen3")  # QK-norm: not in coda's own model yet
+    with pytest.raises(ValueError, match="model_type 'qwen3' is not supported"):
+        coda.models.from_hf(qwen3)
+    torch.manual_seed(0)
+    bare = transformers.LlamaModel(transformers.LlamaConfig(**SHAPE))
+    with pytest.raises(ValueError, match="LlamaModel is not a causal LM"):
+        coda.models.from_hf(bare)
+    with pytest.raises(TypeError, match="a \\*ForCausalLM model is expected"):
+        coda.patch(bare)
+
+
+def test_qwen2_bf16_error_is_within_hf_bf16_error() -> None:
+    """The q/k/v biases in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16
+    loss and gradients are no further off than HF's own bf16 run (the bound of test_llama_model's
+    bf16 test: twice HF's error, plus a bf16 ulp, for the different rounding points)."""
+    hf32 = hf_model("qwen2")
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = coda.models.from_hf(hf16)
+    (ref_loss, ref), (hf_loss, hf) = run(hf32), run(hf16)
+    loss, ours = run(model, lambda m: m.to_hf_state_dict(grads=True))
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        hf_err, err = rel(hf[name], g), rel(ours[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
+def test_from_hf_reads_every_weight() -> None:
+    """A weight the model would not use (a bias its config does not announce) or one it lacks is
+    refused by name, never dropped or left at its initial value."""
+    hf = hf_model("llama")
+    model = coda.models.from_hf(hf)
+    extra = dict(hf.state_dict(), **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})
+    with pytest.raises(ValueError, match=r"would not use: model\.layers\.0\.self_attn\.q_proj\.bias"):
+        model.load_hf_state_dict(extra)
+    missing = {k: v for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"has no 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        model.load_hf_state_dict(missing)

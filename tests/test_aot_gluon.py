@@ -494,7 +494,7 @@ def test_gluon_clusters_do_not_multicast_tma_loads_on_sm90(tmp_path: Path) -> No
     load into a tile both CTAs hold stays one plain load per CTA, not `.multicast::cluster`. So
     gluon-hopper cannot share an operand load across a CTA pair as cuBLAS's clustered kernels do.
     If this fails after a Triton upgrade, multicast may have become reachable: revisit
-    docs/DESIGN.md, "Where the gluon-hopper work stands", item 2."""
+    docs/HISTORY.md, "What limits the fused GEMMs", item 4, and the same section of docs/DESIGN.md."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     proc = subprocess.run([sys.executable, str(root / "bench" / "tools" / "probe_multicast.py")], env=env, capture_output=True,

@@ -7,7 +7,7 @@
 #                 where the Triton backend meets the whole suite on the GPU, ~3 min
 #   epilogues     each fused GEMM against its bare GEMM and the peers (bench/gemm_epilogues.py), ~4 min
 #   ops           the ops and the block, forward and forward+backward, against the peers (bench/ops_block.py),
-#                 1.5 min tuned
+#                 ~1.5 min (last timed tuned, from a seeded tuning cache)
 #   block         the block's GEMMs on both backends, the block against its speed of light and the peers,
 #                 untuned, each width in a fresh process (bench/block_kernels.py), 5-7 min
 #   first_call    seconds to the first training step from an empty cache and from a warm one, and each

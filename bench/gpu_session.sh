@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of H200 work, everything under $OUT; steps run in the order given.
-# The user-facing benchmarks (docs/PERFORMANCE.md says which results file each one feeds):
+# The user-facing steps (docs/PERFORMANCE.md shows what epilogues, ops, block and train last measured, and its file):
 #   tests         the GPU tier of the test suite (default configs; tests pick larger shapes on a GPU; 8 xdist
 #                 workers, since compiling kernels on the host's CPUs is most of its time), ~3 min
 #   tests_triton  the same with CODA_BACKEND=triton: `tests` runs gluon-hopper wherever it can, so this is

@@ -9,7 +9,8 @@ Checked, in README.md, CHANGELOG.md, docs/*.md, examples/* and bench/**/README*:
 * each backticked short path with a file suffix (`runtime/cache.py`, `epilogue_cost/x.md`): it
   exists under the repository root, src/coda, bench, bench/results or the document's folder;
 * each section a document is cited by (`DESIGN.md#slug`, `HISTORY.md, "Title"`, `MODEL.md's
-  section "Title"`, `ALGEBRA.md 3a`): that heading exists.
+  section "Title"`, `ALGEBRA.md 3a`): that heading exists;
+* no name that went away (`pip install coda` without `-gemm`, `train_llama.py`).
 The same path and section checks run over the comments and docstrings of every Python file under
 src/, bench/, tests/ and scripts/, and over every shell script there. No imports, no subprocess.
 """
@@ -46,6 +47,9 @@ DOC_NAMES = "|".join(DOCS)
 SECTION = re.compile(rf"\b({DOC_NAMES})(?:\.md)?(?:'s)?,?\s+(?:section\s+)?\"([^\"]+)\"")
 NUMBERED = re.compile(r"\bALGEBRA(?:\.md)?,?\s+(?:section\s+)?(\d+[a-z]?)\b")
 ANCHOR = re.compile(rf"\b({DOC_NAMES})\.md#([\w-]+)")
+# names that went away, however they are written
+GONE = ((re.compile(r"pip install coda(?![-\w])"), "the distribution is coda-gemm"),
+        (re.compile(r"\btrain_llama\.py\b"), "bench/train.py replaced it"))
 
 
 def markdown_files() -> list[Path]:
@@ -164,6 +168,7 @@ def problems(path: Path, text: str | None = None) -> list[str]:
                   else f"ALGEBRA {m.group(1)}: no such numbered section") for m in NUMBERED.finditer(piece)]
         errs += [(m.start(), None if m.group(2) in {slug(h) for h in headings(DOCS[m.group(1)])}
                   else f"{m.group(0)}: no such anchor") for m in ANCHOR.finditer(piece)]
+        errs += [(m.start(), f"{m.group(0)}: {why}") for rx, why in GONE for m in rx.finditer(piece)]
         found += [f"{path.relative_to(ROOT)}:{first_line + piece.count(chr(10), 0, at)}: {e}" for at, e in errs if e]
     return found
 
@@ -191,6 +196,9 @@ def test_comments_and_docstrings_cite_only_what_exists() -> None:
     ('DESIGN "Where the gluon-hopper work stands"', True),
     ("ALGEBRA.md 3a; ALGEBRA.md 9", True),
     ("[x](docs/DESIGN.md#the-contract) [y](docs/HISTORY.md#no-such-heading)", True),
+    ("pip install coda-gemm", False),
+    ("pip install coda", True),
+    ("as train_llama.py does", True),
 ])
 def test_the_checker_finds_what_it_should(text: str, bad: bool) -> None:
     assert bool(problems(ROOT / "README.md", text)) is bad

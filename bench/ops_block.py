@@ -15,7 +15,7 @@ Every variant's outputs and gradients are checked against an fp32 reference firs
 
 import argparse
 import json
-import platform
+import os
 import sys
 import time
 from pathlib import Path
@@ -326,15 +326,12 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("ops_block.py measures on a CUDA GPU; --merge runs anywhere")
-    import triton
-
     torch.manual_seed(0)
     ops = args.ops.split(",")
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "coda": coda.__version__, "python": platform.python_version(), "commit": harness.commit(),
-            "protocol": "do_bench median; bf16; outputs and gradients checked against fp32 before timing; "
-                        "gemms = sum of the op's bare cuBLAS GEMMs (speed of light), each on random inputs, one scaled "
-                        "by K^-0.5 like the ops' weights; compile = torch.compile default."}
+    meta = harness.run_meta("do_bench median; bf16; outputs and gradients checked against fp32 before timing; gemms = "
+                            "sum of the op's bare cuBLAS GEMMs (speed of light), each on random inputs, one scaled by "
+                            "K^-0.5 like the ops' weights; compile = torch.compile default.",
+                            coda=coda.__version__, autotune=os.environ.get("CODA_AUTOTUNE", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 

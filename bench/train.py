@@ -315,7 +315,7 @@ def spawn(args, model: str, shape: str, variant: str) -> dict:
 
 
 def key(row: dict) -> tuple:
-    """What a row measures; rows of older files (bench/train_llama.py's) have no packed flag."""
+    """What a row measures; rows of older files (train_llama.json) have no packed flag."""
     return row["model"], row["seq"], row["batch"], row.get("packed", False), row["variant"]
 
 

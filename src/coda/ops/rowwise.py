@@ -24,7 +24,7 @@ import triton.language as tl
 from ..runtime import interpreting
 from ..runtime.device import num_programs
 from ..runtime.validate import check_kernel_device
-from ..templates.jit_helpers import _bf16_rne, _tanh, _trig
+from ..templates.jit_helpers import _bf16_rne, _sigmoid, _trig
 
 
 @triton.jit
@@ -91,6 +91,14 @@ def _rms_backward_kernel(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, D, S
 
 
 @triton.jit
+def _capped(x, softcap):
+    # (z, s) with z = c * tanh(x / c) = 2c * s - c for s = sigmoid(2x / c), as the LM-head epilogue
+    # computes it (fewer instructions than tanh); dz/dx = 1 - tanh^2 = 4 s (1 - s).
+    s = _sigmoid(x * (2.0 / softcap))
+    return (2.0 * softcap) * s - softcap, s
+
+
+@triton.jit
 def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, stride_l, softcap, on_target,
                           off_target, z_factor, BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr,
                           CAP: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr):
@@ -112,7 +120,7 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         if CAP:
-            x = tl.where(cols < V, softcap * _tanh(x / softcap), float("-inf"))
+            x = tl.where(cols < V, _capped(x, softcap)[0], float("-inf"))
         if SMOOTH:
             qz += tl.sum(tl.where(cols < V, tl.where(cols == target, on_target, off_target) * x, 0.0), axis=0)
         m = tl.maximum(m, tl.max(x, axis=0))
@@ -127,7 +135,7 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
         hit = (target >= 0) & (target < V)
         tlogit = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0).to(tl.float32)
         if CAP:
-            tlogit = softcap * _tanh(tlogit / softcap)
+            tlogit = _capped(tlogit, softcap)[0]
     tl.store(lse_ptr + row, lse)
     tl.store(tlogit_ptr + row, tlogit)
     scale = tl.load(scale_ptr + row)
@@ -138,8 +146,7 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         if CAP:
-            t = _tanh(x / softcap)
-            x = softcap * t
+            x, sig = _capped(x, softcap)
         if SMOOTH:
             q = tl.where(cols == target, on_target, off_target)
         else:
@@ -149,7 +156,7 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
         else:
             grad = tl.exp(x - lse) - q
         if CAP:
-            grad = grad * (1.0 - t * t)  # dz/dl
+            grad = grad * (4.0 * sig * (1.0 - sig))  # dz/dl
         tl.store(base + cols, _cast(grad * scale, OUT, RNE), mask=mask)
 
 

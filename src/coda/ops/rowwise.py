@@ -298,9 +298,9 @@ def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, r
 def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *, softcap: float | None = None,
                    smoothing: tuple[float, float] | None = None,
                    lse_square_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of stored logits l: (lse, target logit) in fp32 (target logit 0 where the target
-    is out of range, e.g. ignore_index), and l <- (softmax(l) - onehot(target)) * scale in place,
-    the cross-entropy gradient per unit loss. Two reads and one write of the logits.
+    """Per row of stored logits l: (lse, target logit) in fp32 (without smoothing, target logit 0
+    where the target is out of range, e.g. ignore_index), and l <- (softmax(l) - onehot(target))
+    * scale in place, the cross-entropy gradient per unit loss. Two reads and one write of the logits.
 
     The options (docs/ALGEBRA.md 4), each compiled in only when given: `softcap` c makes the
     logits z = c * tanh(l / c), with the gradient times dz/dl = 1 - tanh^2; `smoothing`

@@ -9,7 +9,7 @@ Per op and shape, variants:
   coda     coda.ops / coda.models
 Every variant's outputs and gradients are checked against an fp32 reference first.
 
-    python bench/ops_block.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
+    python bench/ops_block.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,linear_ce_options,block]
     python bench/ops_block.py --merge DIR/ops_block.json --out bench/results
 """
 
@@ -28,7 +28,7 @@ from coda.models import BlockWeights, NativeBlockWeights, block_segment, qkv_to_
 import harness
 from harness import NOTES, ROWS, by_shape, fastest_compile, log, rand, ratio, record, rel_err
 
-OPS = ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
+OPS = ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "linear_ce_options", "block")
 
 
 def max_err(outs, refs) -> float:
@@ -158,6 +158,31 @@ def bench_linear_ce(m: int, d: int, v: int) -> None:
     gemms_sum("linear_ce_fwd", shape, [(m, v, d)])
     gemms_sum("linear_ce_fwdbwd", shape, [(m, v, d), (m, d, v), (v, d, m)])
     variants("linear_ce", shape, impls, lambda _: (x, w), ref, refg, None)
+
+
+CE_OPTIONS = {"label_smoothing": 0.1, "lse_square_scale": 1e-4, "softcap": 30.0}  # PaLM's z-loss, Gemma 2's cap
+
+
+def bench_linear_ce_options(m: int, d: int, v: int) -> None:
+    """linear_ce with every option of linear_cross_entropy set (CE_OPTIONS): their cost beside
+    the plain rows. No Liger row: its options' signature differs between its releases."""
+    x, w = rand(m, d, grad=True), rand(v, d, scale=d**-0.5, grad=True)
+    t = torch.randint(0, v, (m,), device=harness.DEVICE)
+    t[::97] = -100
+    cap, eps, z_scale = CE_OPTIONS["softcap"], CE_OPTIONS["label_smoothing"], CE_OPTIONS["lse_square_scale"]
+
+    def std(x, w):
+        z = cap * torch.tanh(F.linear(x, w).float() / cap)
+        valid = t != -100
+        z_loss = torch.where(valid, torch.logsumexp(z, -1) ** 2, 0.0).sum() / valid.sum()
+        return F.cross_entropy(z, t, label_smoothing=eps) + z_scale * z_loss
+
+    ref, refg = fp32_reference(std, (x, w))
+    impls = {"eager": lambda: std(x, w), "coda": lambda: coda.ops.linear_cross_entropy(x, w, t, **CE_OPTIONS)}
+    shape = (m, v, d)
+    gemms_sum("linear_ce_options_fwd", shape, [(m, v, d)])
+    gemms_sum("linear_ce_options_fwdbwd", shape, [(m, v, d), (m, d, v), (v, d, m)])
+    variants("linear_ce_options", shape, impls, lambda _: (x, w), ref, refg, None)
 
 
 WIDTHS = {2048: 8192, 4096: 14336}  # the block's benchmarked widths, D -> FFN
@@ -346,6 +371,9 @@ def main() -> None:
         save()
     if "linear_ce" in ops:
         bench_linear_ce(8192, 2048, 128256)
+        save()
+    if "linear_ce_options" in ops:
+        bench_linear_ce_options(8192, 2048, 128256)
         save()
     if "block" in ops:
         for d, f in WIDTHS.items():

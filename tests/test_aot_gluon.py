@@ -5,9 +5,10 @@ One fresh worker process (TRITON_INTERPRET=0, its own coda and Triton caches,
 TRITON_DUMP_PTXAS_LOG=1 so that the ptxas log gives spill bytes) serves every compile of this
 module, one JSON request a line:
 
-* every @coda.epilogue of `coda.ops.epilogues` (and the `lm_head(dtype)` ones) and the plain GEMM,
-  with gluon-hopper's default config and the operand dtypes a Llama block passes (Tile operands
-  bf16, vectors fp32, `target` / `pos` int64; `pos` also int32), a row-major and b = W.T;
+* every @coda.epilogue of `coda.ops.epilogues` (and the `lm_head(dtype)` ones, with bf16's option
+  variants) and the plain GEMM, with gluon-hopper's default config and the operand dtypes a Llama
+  block passes (Tile operands bf16, vectors fp32, `target` / `pos` int64; `pos` also int32), a
+  row-major and b = W.T;
 * both memory orders of a and b (tma_row / tma_col) for the plain GEMM and for rms_swiglu;
 * random epilogue programs (test_properties' generator) with random operand dtypes and layouts.
 
@@ -77,6 +78,8 @@ WORKER = script('''
 
     EPILOGUES = {ep.graph.name: ep for ep in vars(E).values() if isinstance(ep, Epilogue)}
     EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32))})
+    EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(torch.bfloat16, softcap=c, smoothing=s)
+                                                   for c, s in ((True, False), (False, True), (True, True)))})
     EPILOGUES.update({ep.graph.name: ep for ep in (f(hd) for f in (E.rms_qknorm_rope, E.qknorm_rope_backward)
                                                    for hd in (64, 128))})
     M, N, K = 256, 256, 128
@@ -184,7 +187,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
 
 def _all_epilogues() -> list[Epilogue]:
     eps = [ep for ep in vars(E).values() if isinstance(ep, Epilogue)]
-    return eps + [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+    return (eps + [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+            + [E.lm_head(torch.bfloat16, softcap=c, smoothing=s) for c, s in ((True, False), (False, True), (True, True))])
 
 
 def _by_name(name: str) -> Epilogue:
@@ -215,6 +219,9 @@ SPILLS: dict[str, tuple[int, int]] = {
     "lm_head_stats_bf16": (0, 0),               # 131336
     "lm_head_stats_fp16": (32, 32),             # 131336
     "lm_head_stats_fp32": (0, 0),               # 131336
+    "lm_head_stats_bf16_smooth": (80, 80),      # 131352, linear_cross_entropy's options, measured when they came
+    "lm_head_stats_bf16_softcap": (360, 360),   # 131352 (the cap as c * tanh(l / c): 1340)
+    "lm_head_stats_bf16_softcap_smooth": (624, 624),  # 131352
     "rope": (0, 0),                             # 147752
     "rms_rope": (4, 4),                         # 147768
     "rope_bias": (16, 16),                      # 147768, measured when Qwen2's q/k/v biases came

@@ -86,17 +86,24 @@ def test_unpatchable_models_are_refused_clearly() -> None:
         coda.patch(torch.nn.Linear(4, 4))
 
 
+GATED = {"swiglu": (coda.ops.rmsnorm_swiglu_mlp, F.silu),
+         "geglu": (coda.ops.rmsnorm_geglu_mlp, lambda t: F.gelu(t, approximate="tanh"))}
+
+
+@pytest.mark.parametrize("mlp", sorted(GATED))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_swiglu_mlp_matches_pytorch(dtype: torch.dtype) -> None:
+def test_rmsnorm_gated_mlp_matches_pytorch(dtype: torch.dtype, mlp: str) -> None:
+    op, act = GATED[mlp]
+
     def leaf(*shape: int, s: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, device=DEVICE) * s).to(dtype).requires_grad_()
 
     d, f = 24, 40
     x, g = leaf(2, 9, d), leaf(d, s=0.3)
     wg, wu, wd = leaf(f, d, s=d**-0.5), leaf(f, d, s=d**-0.5), leaf(d, f, s=f**-0.5)
-    out = coda.ops.rmsnorm_swiglu_mlp(x, g, wg, wu, wd, eps=1e-5)
+    out = op(x, g, wg, wu, wd, eps=1e-5)
     h = F.rms_norm(x.float(), (d,), g.float(), 1e-5)
-    ref = F.linear(F.silu(F.linear(h, wg.float())) * F.linear(h, wu.float()), wd.float())
+    ref = F.linear(act(F.linear(h, wg.float())) * F.linear(h, wu.float()), wd.float())
     bound = 1e-5 if dtype == torch.float32 else 6 * EPS[dtype]
     assert out.shape == x.shape and rel(out, ref) < bound
     dout = torch.randn_like(ref)

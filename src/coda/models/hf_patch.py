@@ -30,7 +30,7 @@ from torch import nn
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.rmsnorm import rmsnorm
 from ..ops.rmsnorm_linear import rmsnorm_linear
-from ..ops.rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
+from ..ops.rmsnorm_gated_mlp import rmsnorm_swiglu_mlp
 from . import families
 
 log = logging.getLogger("coda")

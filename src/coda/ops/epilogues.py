@@ -53,6 +53,25 @@ def swiglu_save(acc):
     return {"z": acc, "y": silu(gate) * up}
 
 
+# F.gelu(approximate="tanh")'s constants: sqrt(2 / pi) and the cubic term's coefficient.
+_GELU_K, _GELU_C = 0.7978845608028654, 0.044715
+
+
+def _gelu_tanh(x):
+    """(gelu_tanh(x), gelu_tanh'(x)) (section 2a). With u = K (x + C x^3), 0.5 (1 + tanh u) =
+    sigmoid(2u) = s and 1 - tanh^2 u = 4 s (1 - s): gelu_tanh = x s and gelu_tanh' = s + 2 x s
+    (1 - s) K (1 + 3 C x^2), the sigmoid SwiGLU uses (coda.gelu is the erf GELU)."""
+    s = sigmoid(2.0 * _GELU_K * (x + _GELU_C * x * x * x))
+    return x * s, s + 2.0 * _GELU_K * x * s * (1.0 - s) * (1.0 + 3.0 * _GELU_C * x * x)
+
+
+@epilogue
+def geglu_save(acc):
+    """Section 2a (Gemma's MLP): z = acc (saved), y = gelu_tanh(gate) * up over interleaved pairs."""
+    gate, up = pairs(acc)
+    return {"z": acc, "y": _gelu_tanh(gate)[0] * up}
+
+
 def _rotate(x, pos, freq):
     """Rotate each adjacent column pair (a, b) of x by theta = pos * freq (complex multiply by
     e^{i theta}); freq is 0 for the v columns, which pass unrotated."""
@@ -233,3 +252,14 @@ def swiglu_backward_zdz(acc, z: Tile(width=2)):
     that norm's backward row term (section 5)."""
     gate, up, s, dgate, dup = _swiglu_grads(acc, z)
     return {"dz": interleave(dgate, dup), "y": gate * s * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}
+
+
+@epilogue
+def geglu_backward_zdz(acc, z: Tile(width=2)):
+    """Section 2a, backward, with an RMSNorm in front of the MLP: acc = d = dY @ W_down, dgate =
+    d * up * gelu_tanh'(gate), dup = d * gelu_tanh(gate); y recomputed for dW_down; zdz = z . dz,
+    that norm's row term (section 5)."""
+    gate, up = pairs(z)
+    g, dg = _gelu_tanh(gate)
+    dgate, dup = acc * up * dg, acc * g
+    return {"dz": interleave(dgate, dup), "y": g * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}

@@ -220,6 +220,21 @@ def test_qwen2_bf16_error_is_within_hf_bf16_error() -> None:
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
 
 
+def test_gemma3_patch_bf16_error_is_within_hf_bf16_error() -> None:
+    """Gemma's norms in bf16 (g = 1 + w formed in fp32, the norm rounded once, as HF's; GeGLU):
+    against HF in fp32 on the same bf16-rounded weights, the patched bf16 model's loss and gradients
+    are no further off than HF's own bf16 run (the bound of test_qwen2_bf16_error_is_within_hf_bf16_error)."""
+    hf32 = hf_model("gemma3_text", **PATCH_CASES["gemma3_text"])
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = coda.patch(copy.deepcopy(hf16))
+    (ref_loss, ref), (hf_loss, hf), (loss, ours) = run(hf32), run(hf16), run(model)
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        hf_err, err = rel(hf[name], g), rel(ours[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
 def test_from_hf_reads_every_weight() -> None:
     """A weight the model would not use (a bias its config does not announce) or one it lacks is
     refused by name, never dropped or left at its initial value."""

@@ -40,6 +40,7 @@ from . import families
 
 log = logging.getLogger("coda")
 
+
 def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
 
@@ -51,16 +52,16 @@ def _gain(norm: nn.Module) -> torch.Tensor:
 
 
 def _eps(norm: nn.Module) -> float:
-    return norm.eps if norm._coda_unit_offset else norm.variance_epsilon
+    return norm.eps if norm._coda_unit_offset else norm.variance_epsilon  # Gemma's name, Llama's
 
 
-def _input_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+def _norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rmsnorm(hidden_states, _gain(self), _eps(self))
 
 
 def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # The final norm is deferred to the LM head's fused op while the patched CausalLM forward
-    # asks for logits (the flag is set only for that call); otherwise HF's norm.
+    # asks for logits (the flag is set only for that call); otherwise the norm alone.
     if self._coda_deferred:
         return hidden_states
     return self._coda_forward(hidden_states)
@@ -68,8 +69,7 @@ def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
-    op = rmsnorm_geglu_mlp if norm._coda_unit_offset else rmsnorm_swiglu_mlp
-    return op(x, _gain(norm), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, _eps(norm))
+    return self._coda_op(x, _gain(norm), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, _eps(norm))
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -133,8 +133,8 @@ def patch(model: nn.Module) -> nn.Module:
     # post-attention norm feeds the MLP. Gemma's normalizes the attention output before the
     # residual add (a sandwich norm, as its post-feedforward norm does the MLP output), and its
     # pre-feedforward norm feeds the MLP.
-    mlp_norm, mlp_op = ("pre_feedforward_layernorm", "rmsnorm_geglu_mlp") if gemma else \
-        ("post_attention_layernorm", "rmsnorm_swiglu_mlp")
+    mlp_norm, mlp_op = ("pre_feedforward_layernorm", rmsnorm_geglu_mlp) if gemma else \
+        ("post_attention_layernorm", rmsnorm_swiglu_mlp)
     alone = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm") if gemma else \
         ("input_layernorm",)
     swapped = []
@@ -142,19 +142,20 @@ def patch(model: nn.Module) -> nn.Module:
         for name in alone:
             norm = getattr(layer, name)
             norm._coda_unit_offset = gemma
-            norm.forward = types.MethodType(_input_norm, norm)
+            norm.forward = types.MethodType(_norm, norm)
             swapped += [f"model.layers.{i}.{name} -> coda.ops.rmsnorm"]
         norm, mlp = getattr(layer, mlp_norm), layer.mlp
         norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_passthrough, norm)
         object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
+        mlp._coda_op = mlp_op
         mlp.forward = types.MethodType(_mlp_forward, mlp)
-        swapped += [f"model.layers.{i}.{mlp_norm}+mlp -> coda.ops.{mlp_op}"]
+        swapped += [f"model.layers.{i}.{mlp_norm}+mlp -> coda.ops.{mlp_op.__name__}"]
     norm = model.model.norm
     norm._coda_unit_offset = gemma
     # With labels the final norm runs alone before linear_cross_entropy: HF's, or for Gemma coda's
     # (the same rounding as HF's Gemma norm).
-    norm._coda_forward, norm._coda_deferred = types.MethodType(_input_norm, norm) if gemma else norm.forward, False
+    norm._coda_forward, norm._coda_deferred = types.MethodType(_norm, norm) if gemma else norm.forward, False
     norm.forward = types.MethodType(_final_norm, norm)
     model.forward = types.MethodType(_causal_lm_forward, model)
     swapped += ["model.norm+lm_head -> coda.ops.rmsnorm_linear (logits)",

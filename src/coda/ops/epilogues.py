@@ -57,19 +57,18 @@ def swiglu_save(acc):
 _GELU_K, _GELU_C = 0.7978845608028654, 0.044715
 
 
-def _gelu_tanh(x):
-    """(gelu_tanh(x), gelu_tanh'(x)) (section 2a). With u = K (x + C x^3), 0.5 (1 + tanh u) =
-    sigmoid(2u) = s and 1 - tanh^2 u = 4 s (1 - s): gelu_tanh = x s and gelu_tanh' = s + 2 x s
-    (1 - s) K (1 + 3 C x^2), the sigmoid SwiGLU uses (coda.gelu is the erf GELU)."""
-    s = sigmoid(2.0 * _GELU_K * (x + _GELU_C * x * x * x))
-    return x * s, s + 2.0 * _GELU_K * x * s * (1.0 - s) * (1.0 + 3.0 * _GELU_C * x * x)
+def _gelu_sigmoid(x):
+    """s = sigmoid(2u), u = K (x + C x^3) (section 2a): 0.5 (1 + tanh u) = s, so gelu_tanh(x) = x s,
+    and 1 - tanh^2 u = 4 s (1 - s) gives its derivative. The sigmoid SwiGLU uses, no tanh (coda.gelu
+    is the erf GELU)."""
+    return sigmoid(2.0 * _GELU_K * (x + _GELU_C * x * x * x))
 
 
 @epilogue
 def geglu_save(acc):
     """Section 2a (Gemma's MLP): z = acc (saved), y = gelu_tanh(gate) * up over interleaved pairs."""
     gate, up = pairs(acc)
-    return {"z": acc, "y": _gelu_tanh(gate)[0] * up}
+    return {"z": acc, "y": gate * _gelu_sigmoid(gate) * up}
 
 
 def _rotate(x, pos, freq):
@@ -260,6 +259,8 @@ def geglu_backward_zdz(acc, z: Tile(width=2)):
     d * up * gelu_tanh'(gate), dup = d * gelu_tanh(gate); y recomputed for dW_down; zdz = z . dz,
     that norm's row term (section 5)."""
     gate, up = pairs(z)
-    g, dg = _gelu_tanh(gate)
-    dgate, dup = acc * up * dg, acc * g
+    s = _gelu_sigmoid(gate)
+    g = gate * s
+    dgate = acc * up * (s + 2.0 * _GELU_K * g * (1.0 - s) * (1.0 + 3.0 * _GELU_C * gate * gate))
+    dup = acc * g
     return {"dz": interleave(dgate, dup), "y": g * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}

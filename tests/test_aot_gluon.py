@@ -234,6 +234,8 @@ SPILLS: dict[str, tuple[int, int]] = {
     "rmsnorm_backward_rowterm": (308, 308),     # 181384
     "swiglu_backward": (0, 0),                  # 213384, the epilogue as a loop (its default)
     "swiglu_backward_zdz": (0, 0),              # 213384, the epilogue as a loop (its default)
+    "geglu_save": (0, 0),                       # measured when Gemma's GeGLU came
+    "geglu_backward_zdz": (0, 0),               # measured when Gemma's GeGLU came, as a loop (its default)
 }
 
 

@@ -53,6 +53,24 @@ def swiglu_save(acc):
     return {"z": acc, "y": silu(gate) * up}
 
 
+# F.gelu(approximate="tanh")'s constants: sqrt(2 / pi) and the cubic term's coefficient.
+_GELU_K, _GELU_C = 0.7978845608028654, 0.044715
+
+
+def _gelu_sigmoid(x):
+    """s = sigmoid(2u), u = K (x + C x^3) (section 2a): 0.5 (1 + tanh u) = s, so gelu_tanh(x) = x s,
+    and 1 - tanh^2 u = 4 s (1 - s) gives its derivative. The sigmoid SwiGLU uses, no tanh (coda.gelu
+    is the erf GELU)."""
+    return sigmoid(2.0 * _GELU_K * (x + _GELU_C * x * x * x))
+
+
+@epilogue
+def geglu_save(acc):
+    """Section 2a (Gemma's MLP): z = acc (saved), y = gelu_tanh(gate) * up over interleaved pairs."""
+    gate, up = pairs(acc)
+    return {"z": acc, "y": gate * _gelu_sigmoid(gate) * up}
+
+
 def _rotate(x, pos, freq):
     """Rotate each adjacent column pair (a, b) of x by theta = pos * freq (complex multiply by
     e^{i theta}); freq is 0 for the v columns, which pass unrotated."""
@@ -248,3 +266,16 @@ def swiglu_backward_zdz(acc, z: Tile(width=2)):
     that norm's backward row term (section 5)."""
     gate, up, s, dgate, dup = _swiglu_grads(acc, z)
     return {"dz": interleave(dgate, dup), "y": gate * s * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}
+
+
+@epilogue
+def geglu_backward_zdz(acc, z: Tile(width=2)):
+    """Section 2a, backward, with an RMSNorm in front of the MLP: acc = d = dY @ W_down, dgate =
+    d * up * gelu_tanh'(gate), dup = d * gelu_tanh(gate); y recomputed for dW_down; zdz = z . dz,
+    that norm's row term (section 5)."""
+    gate, up = pairs(z)
+    s = _gelu_sigmoid(gate)
+    g = gate * s
+    dgate = acc * up * (s + 2.0 * _GELU_K * g * (1.0 - s) * (1.0 + 3.0 * _GELU_C * gate * gate))
+    dup = acc * g
+    return {"dz": interleave(dgate, dup), "y": g * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}

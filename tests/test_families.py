@@ -39,6 +39,11 @@ PATCH_CASES = {
     "mistral": dict(sliding_window=4),  # a window shorter than the sequence: HF's attention
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
     "qwen3": dict(),  # QK-norm inside HF's attention
+    # fused gate_up_proj (coda's MLP on its row views) and qkv_proj; HF's attention: a window shorter
+    # than the sequence, RoPE on half of each head
+    "phi3": dict(sliding_window=4, partial_rotary_factor=0.5, pad_token_id=0),  # default pad id: past VOCAB
+    # norms on the attention and MLP outputs; HF's attention: whole-width q/k norms, q/k/v/o biases
+    "olmo2": dict(attention_bias=True, tie_word_embeddings=True),
 }
 
 
@@ -167,14 +172,21 @@ def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, f
         coda.models.from_hf(Shell(config))
 
 
-def test_patch_refuses_fields_that_change_what_it_rewrites() -> None:
-    for kw, field in ((dict(hidden_act="gelu"), "hidden_act"), (dict(mlp_bias=True), "mlp_bias"),
-                      (dict(some_future_field=1), "some_future_field")):
-        with pytest.raises(TypeError, match=rf"llama: .*{field}="):
-            coda.patch(Shell(transformers.LlamaConfig(**SHAPE, **kw)))
+@pytest.mark.parametrize("model_type,kw,field", [
+    ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    ("llama", dict(mlp_bias=True), "mlp_bias"),
+    ("llama", dict(some_future_field=1), "some_future_field"),
+    ("phi3", dict(hidden_act="gelu"), "hidden_act"),
+    ("phi3", dict(some_future_field=1), "some_future_field"),
+    ("olmo2", dict(hidden_act="gelu"), "hidden_act"),
+    ("olmo2", dict(some_future_field=1), "some_future_field"),
+])
+def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: dict, field: str) -> None:
+    with pytest.raises(TypeError, match=rf"{model_type}: .*{field}="):
+        coda.patch(Shell(CONFIGS[model_type](**SHAPE, **kw)))
 
 
-@pytest.mark.parametrize("model_type", ["granite", "gemma2", "gemma3_text", "cohere", "phi3", "olmo2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["granite", "gemma2", "gemma3_text", "cohere", "mixtral"])
 def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
     config = default_config(model_type)
     for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):
@@ -221,3 +233,41 @@ def test_from_hf_reads_every_weight() -> None:
     missing = {k: v for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"has no 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         model.load_hf_state_dict(missing)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
+    """The families with their own layer patch: every norm and MLP of a decoder layer runs coda's
+    forward (the q/k norms inside attention stay HF's), parameter names and state_dict unchanged,
+    greedy .generate() gives HF's tokens (the final norm + LM head through rmsnorm_linear)."""
+    hf = hf_model(model_type, **PATCH_CASES[model_type])
+    model = coda.patch(copy.deepcopy(hf))
+    ref = hf.state_dict()
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    assert list(model.state_dict()) == list(ref) and all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    for name, module in model.model.layers.named_modules():
+        ours = "forward" in vars(module)
+        assert ours == (name.endswith(("layernorm", "mlp"))), f"{name}: {'coda' if ours else 'HF'} forward"
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **args), hf.generate(prompt, **args))
+
+
+def test_phi3_patch_keeps_hf_dropout() -> None:
+    """Phi-3's residual and attention dropout stay HF's under coda.patch (HF's decoder layer applies
+    resid_pdrop to coda's MLP output): in training mode, with the same seed, the patched model draws
+    the same masks and gives HF's loss and gradients."""
+    hf = hf_model("phi3", **PATCH_CASES["phi3"], resid_pdrop=0.2, attention_dropout=0.2).train()
+    model = coda.patch(copy.deepcopy(hf))
+
+    def seeded(m: torch.nn.Module) -> tuple:
+        torch.manual_seed(3)
+        return run(m)
+
+    no_dropout = run(copy.deepcopy(hf).eval())[0]
+    (loss, grads), (hf_loss, theirs) = seeded(model), seeded(hf)
+    assert abs(no_dropout - hf_loss) > 1e-3  # the dropout is on
+    assert abs(loss - hf_loss) < 1e-5 * abs(hf_loss)
+    for name, g in theirs.items():
+        assert rel(grads[name], g) < 1e-5, f"{name}: relative error {rel(grads[name], g):.3g}"

@@ -40,8 +40,11 @@ PATCH_CASES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
     "qwen3": dict(),  # QK-norm inside HF's attention
     # fused gate_up_proj (coda's MLP on its row views) and qkv_proj; HF's attention: a window shorter
-    # than the sequence, RoPE on half of each head
-    "phi3": dict(sliding_window=4, partial_rotary_factor=0.5, pad_token_id=0),  # default pad id: past VOCAB
+    # than the sequence, longrope past original_max_position_embeddings on half of each head (the
+    # fraction spelled at the top level too, as Phi-4-mini's config does); the default pad id is past VOCAB
+    "phi3": dict(sliding_window=4, original_max_position_embeddings=4, partial_rotary_factor=0.5, pad_token_id=0,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.5,
+                                      short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])),
     # norms on the attention and MLP outputs; HF's attention: whole-width q/k norms, q/k/v/o biases
     "olmo2": dict(attention_bias=True, tie_word_embeddings=True),
 }

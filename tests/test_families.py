@@ -274,3 +274,19 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
     assert abs(loss - hf_loss) < 1e-5 * abs(hf_loss)
     for name, g in theirs.items():
         assert rel(grads[name], g) < 1e-5, f"{name}: relative error {rel(grads[name], g):.3g}"
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
+    """In bf16 coda's norms round once (OLMo 2's as HF's; Phi-3's HF rounds twice, as Llama's): against
+    HF in fp32 on the same bf16-rounded weights, the patched bf16 model's loss and gradients are no
+    further off than HF's own bf16 run (the bound of test_qwen2_bf16_error_is_within_hf_bf16_error)."""
+    hf32 = hf_model(model_type, **PATCH_CASES[model_type])
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = coda.patch(copy.deepcopy(hf16))
+    (ref_loss, ref), (hf_loss, hf), (loss, ours) = run(hf32), run(hf16), run(model)
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        hf_err, err = rel(hf[name], g), rel(ours[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"

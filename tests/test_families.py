@@ -43,6 +43,10 @@ PATCH_CASES = {
     # than the sequence on the sliding layers, their own RoPE base, query_pre_attn_scalar
     "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
                         layer_types=["sliding_attention", "full_attention"]),
+    # Gemma 3's layer without QK-norm; final logits capped at 0.5 (tiny logits: a cap that matters),
+    # HF's attention caps its scores
+    "gemma2": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6, final_logit_softcapping=0.5,
+                   attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]),
     # fused gate_up_proj (coda's MLP on its row views) and qkv_proj; HF's attention: a window shorter
     # than the sequence, longrope past original_max_position_embeddings on half of each head (the
     # fraction spelled at the top level too, as Phi-4-mini's config does); the default pad id is past VOCAB
@@ -184,7 +188,7 @@ def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, f
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("llama", dict(some_future_field=1), "some_future_field"),
     ("gemma3_text", dict(hidden_activation="gelu"), "hidden_activation"),  # erf GELU: not GeGLU's tanh
-    ("gemma3_text", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),  # before the loss
+    ("gemma3_text", dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),  # a cap must be positive
     ("gemma3_text", dict(some_future_field=1), "some_future_field"),
     ("phi3", dict(hidden_act="gelu"), "hidden_act"),
     ("phi3", dict(some_future_field=1), "some_future_field"),
@@ -196,7 +200,7 @@ def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: 
         coda.patch(Shell(CONFIGS[model_type](**SHAPE, **kw)))
 
 
-@pytest.mark.parametrize("model_type", ["granite", "gemma2", "cohere", "mixtral"])
+@pytest.mark.parametrize("model_type", ["granite", "cohere", "mixtral"])
 def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
     config = default_config(model_type)
     for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):

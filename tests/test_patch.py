@@ -27,6 +27,10 @@ def hf_model(kind: str, **kw):
     elif kind == "gemma3_text":  # a window shorter than SEQ on layer 0, the local RoPE base there
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
             **SHAPE, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"], **kw))
+    elif kind == "gemma2":  # the same, the final logits capped (at 0.5: these tiny logits are small)
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **SHAPE, head_dim=8, sliding_window=4, final_logit_softcapping=0.5,
+            layer_types=["sliding_attention", "full_attention"], **kw))
     else:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, **kw))
     model = model.to(DEVICE).float()
@@ -42,7 +46,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # Swapped per layer: Llama's input norm and norm + MLP; Gemma's also its two sandwich norms.
-SWAPPED_PER_LAYER = {"llama": 2, "mistral": 2, "gemma3_text": 4}
+SWAPPED_PER_LAYER = {"llama": 2, "mistral": 2, "gemma2": 4, "gemma3_text": 4}
 
 
 @pytest.mark.parametrize("kind", sorted(SWAPPED_PER_LAYER))
@@ -68,7 +72,7 @@ def test_patched_model_trains_like_the_unpatched_one(kind: str) -> None:
         assert rel(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gemma3_text"])
 def test_patched_generate_gives_the_same_tokens(kind: str) -> None:
     ref = hf_model(kind)
     model = coda.patch(copy.deepcopy(ref))

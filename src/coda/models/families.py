@@ -105,15 +105,16 @@ _WINDOWS = {"sliding_window": ANY,
             "use_sliding_window": DERIVED, "max_window_layers": DERIVED,
             "layer_types": _attention_only(LAYER_TYPES)}
 
-# Gemma 3: coda.patch runs its norms ((1 + w), with the sandwich norms), its GeGLU MLP and its LM head;
+# Gemma 2 and 3: coda.patch runs their norms ((1 + w), with the sandwich norms), its GeGLU MLP and its LM head;
 # everything else below is HF's attention (QK-norm, query_pre_attn_scalar, per-layer-type RoPE,
 # windows, logit softcapping of the scores), so it is marked for coda's own model, which does not
 # take gemma3_text yet (FAMILIES' entries): adding FROM_HF means handling each of these there.
-_GEMMA3 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sliding_window": ANY,
+_GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sliding_window": ANY,
            "layer_types": _attention_only(LAYER_TYPES),
            "hidden_activation": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
-           # tanh softcapping of the logits before the loss: coda's LM head and loss do not compute it.
-           "final_logit_softcapping": Rule(lambda v: v is None, "None"),
+           # c * tanh(logits / c) before the loss: linear_cross_entropy's softcap, and on the logits.
+           "final_logit_softcapping": Rule(lambda v: v is None or (isinstance(v, (int, float)) and 0 < v < float("inf")),
+                                           "None or a positive cap"),
            **{name: _attention_only(ANY) for name in (
                "query_pre_attn_scalar", "attn_logit_softcapping", "use_bidirectional_attention",
                "rope_local_base_freq")},
@@ -140,7 +141,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}, qkv_bias=True),
     Family("qwen3", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU,
                                          "attention_bias": _attention_only(NO_BIAS), **_WINDOWS}),
-    Family("gemma3_text", frozenset({PATCH}), _GEMMA3, gemma=True),
+    Family("gemma2", frozenset({PATCH}), _GEMMA, gemma=True),  # Gemma 3's layer without QK-norm
+    Family("gemma3_text", frozenset({PATCH}), _GEMMA, gemma=True),
     Family("phi3", frozenset({PATCH}), _PHI3),
     Family("olmo2", frozenset({PATCH}), _OLMO2),
 )}

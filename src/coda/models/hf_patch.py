@@ -1,4 +1,5 @@
-"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, OLMo 2)
+"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3,
+OLMo 2)
 through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
@@ -133,6 +134,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
     return_dict = kwargs.pop("return_dict", None)
     num_items = kwargs.pop("num_items_in_batch", None)
+    cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma: c * tanh(logits / c)
     norm = self.model.norm
     norm._coda_deferred = labels is None
     try:
@@ -148,12 +150,14 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         else:
             hidden = hidden[:, logits_to_keep]
         logits = rmsnorm_linear(hidden, _gain(norm), self.lm_head.weight, _eps(norm))
+        if cap is not None:  # as HF rounds it: in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
     else:
         target = F.pad(labels.to(hidden.device), (0, 1), value=-100)[:, 1:]  # HF's shift: token t predicts t + 1
         if num_items is None:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, target)
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, target, softcap=cap)
         else:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, target, reduction="sum") / num_items
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, target, reduction="sum", softcap=cap) / num_items
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     out = CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
     return out if return_dict is not False else out.to_tuple()

@@ -316,3 +316,19 @@ def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     for name, g in ref.items():
         hf_err, err = rel(hf[name], g), rel(ours[name], g)
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
+def test_remote_code_is_refused_and_auto_map_alone_is_not() -> None:
+    """A Hub config's `auto_map` names remote code; transformers' own class computes the family as
+    the rules know it, a class from elsewhere (trust_remote_code) may compute anything."""
+    config = CONFIGS["llama"](**SHAPE)
+    config.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    hf = transformers.LlamaForCausalLM(config)
+    assert families.problems(config, PATCH) == [] and families.foreign_code(hf) == []
+    coda.patch(copy.deepcopy(hf))  # accepted
+    remote = type("CustomForCausalLM", (torch.nn.Module,), {"__module__": "transformers_modules.custom.modeling"})()
+    remote.config = config
+    with pytest.raises(TypeError, match="CustomForCausalLM .*not a transformers model class"):
+        coda.patch(remote)
+    with pytest.raises(ValueError, match="CustomForCausalLM .*not a transformers model class"):
+        coda.models.from_hf(remote)

@@ -25,6 +25,9 @@ IRRELEVANT = frozenset({
     "output_attentions", "output_hidden_states", "return_dict", "use_cache", "is_encoder_decoder",
     "chunk_size_feed_forward", "problem_type", "id2label", "label2id", "tokenizer_class",
     "pad_token_id", "bos_token_id", "eos_token_id", "max_position_embeddings", "initializer_range",
+    # Where remote code for the family lives: read only with trust_remote_code, and a model built from
+    # it is refused by `foreign_code` (checkpoints on the Hub carry it beside transformers' own code).
+    "auto_map",
 })
 
 
@@ -151,6 +154,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 def supported(entry: str) -> tuple[str, ...]:
     """The model_types `entry` (FROM_HF or PATCH) supports."""
     return tuple(name for name, f in FAMILIES.items() if entry in f.entries)
+
+
+def foreign_code(model: Any) -> list[str]:
+    """A model whose class is not transformers' (remote code, `trust_remote_code=True`) computes what
+    its own files say, which the rules here do not know; a subclass of a transformers class is taken."""
+    if any(cls.__module__.startswith("transformers.models.") for cls in type(model).__mro__):
+        return []
+    return [f"{type(model).__name__} (module {type(model).__module__}) is not a transformers model class: coda "
+            "checks transformers' own families only (remote code may compute anything)"]
 
 
 def problems(config: Any, entry: str) -> list[str]:

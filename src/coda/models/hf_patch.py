@@ -164,7 +164,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 
 def _check(model: nn.Module) -> list[str]:
-    problems = families.problems(getattr(model, "config", None), families.PATCH)
+    problems = families.problems(getattr(model, "config", None), families.PATCH) + families.foreign_code(model)
     for what, ok in (("a .model.layers list", hasattr(getattr(model, "model", None), "layers")),
                      ("a .model.norm", hasattr(getattr(model, "model", None), "norm")),
                      ("an .lm_head", isinstance(getattr(model, "lm_head", None), nn.Linear))):

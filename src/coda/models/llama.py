@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
-from .families import FAMILIES, FROM_HF, problems
+from .families import FAMILIES, FROM_HF, foreign_code, problems
 from .llama_block import NativeBlockWeights, block_segment
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build, documents, padding
@@ -217,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         into coda's layouts (same dtype and device). ValueError naming the model_type or the field
         for anything coda would compute differently."""
         config = LlamaConfig.from_hf(getattr(hf_model, "config", None))
+        foreign = foreign_code(hf_model)
+        if foreign:
+            raise ValueError("coda.models.from_hf: " + "; ".join(foreign))
         if not isinstance(getattr(hf_model, "lm_head", None), nn.Linear) or hf_model.lm_head.bias is not None:
             raise ValueError(f"coda.models.from_hf: {type(hf_model).__name__} is not a causal LM with a bias-free "
                              f"lm_head (model_type {hf_model.config.model_type!r}: pass its *ForCausalLM model)")

@@ -16,7 +16,7 @@ block: sol_graph (the 12 bare cuBLAS GEMMs back to back in one CUDA graph; the m
        made while it was timed (each synchronizes the device with the host). Each width's block
        rows come from a fresh process of this script (--block-only D), as a training job runs it:
        in the process that had run the kernel rows, D=2048's step once timed 0.35-0.47 ms above
-       its time in any fresh process, for a reason not found (docs/DESIGN.md).
+       its time in any fresh process, for a reason not found (docs/HISTORY.md, "The block over time").
 
     python bench/block_kernels.py --out DIR [--d 2048,4096] [--sweep] [--no-peers]
     python bench/block_kernels.py --merge DIR/block_kernels.json --out bench/results

@@ -14,8 +14,8 @@ Ops, each against its bare GEMM and its peers (variants named as in the benchmar
 
 Every variant is checked against an fp32 reference before it is timed (relative Frobenius
 error < 2e-2; for lm_head_ce, |loss - ref| < 1e-2). Inputs are random, bf16; working sets
-exceed the 60 MB L2. coda tunes each (op, shape) on its first call (the autotuner, with the
-epilogue fused in). compile = the faster of the compile_* rows.
+exceed the 60 MB L2. coda runs its default configs; under CODA_AUTOTUNE=1 it tunes each (op, shape)
+on its first call (the autotuner, with the epilogue fused in). compile = the faster of the compile_* rows.
 
     python bench/gemm_epilogues.py --ops gemm,swiglu --out DIR      # measure, write DIR/<part>.json
     python bench/gemm_epilogues.py --merge DIR/*.json --out bench/results   # table + plot
@@ -25,7 +25,7 @@ import argparse
 import importlib.metadata
 import json
 import math
-import platform
+import os
 import sys
 import time
 from pathlib import Path
@@ -340,16 +340,14 @@ def main() -> None:
     ops = args.ops.split(",")
     log(f"GPU {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
-    meta = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "coda": coda.__version__, "python": platform.python_version(), "commit": harness.commit(),
-        "liger": importlib.metadata.version("liger-kernel") if lg else None,
-        "protocol": ("triton.testing.do_bench median (warmup 50 ms, rep 200 ms), one process per part; bf16 random "
-                     "inputs; every variant checked against an fp32 reference before timing; working sets exceed L2. "
-                     "compile = faster of torch.compile default and max-autotune-no-cudagraphs (max-autotune only at "
-                     "M=8192 D=2048 FFN=8192; default elsewhere). coda tuned per (op, shape) by its autotuner "
-                     "on first call."),
-    }
+    autotune = os.environ.get("CODA_AUTOTUNE", "0")
+    meta = harness.run_meta(
+        "triton.testing.do_bench median (warmup 50 ms, rep 200 ms), one process per part; bf16 random inputs; every "
+        "variant checked against an fp32 reference before timing; working sets exceed L2. compile = faster of "
+        "torch.compile default and max-autotune-no-cudagraphs (max-autotune only at M=8192 D=2048 FFN=8192; default "
+        "elsewhere). " + ("coda untuned (its default configs)." if autotune == "0" else
+                          "coda tuned per (op, shape) by its autotuner on first call."),
+        coda=coda.__version__, liger=importlib.metadata.version("liger-kernel") if lg else None, autotune=autotune)
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every op, so a run cut short keeps what it measured

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call's worth of H200 work, everything under $OUT; steps run in the order given.
-# The user-facing benchmarks (docs/PERFORMANCE.md says which results file each one feeds):
+# The user-facing steps (docs/PERFORMANCE.md shows what epilogues, ops, block and train last measured, and its file):
 #   tests         the GPU tier of the test suite (default configs; tests pick larger shapes on a GPU; 8 xdist
 #                 workers, since compiling kernels on the host's CPUs is most of its time), ~3 min
 #   tests_triton  the same with CODA_BACKEND=triton: `tests` runs gluon-hopper wherever it can, so this is
 #                 where the Triton backend meets the whole suite on the GPU, ~3 min
 #   epilogues     each fused GEMM against its bare GEMM and the peers (bench/gemm_epilogues.py), ~4 min
 #   ops           the ops and the block, forward and forward+backward, against the peers (bench/ops_block.py),
-#                 1.5 min tuned
+#                 ~1.5 min (last timed tuned, from a seeded tuning cache)
 #   block         the block's GEMMs on both backends, the block against its speed of light and the peers,
 #                 untuned, each width in a fresh process (bench/block_kernels.py), 5-7 min
 #   first_call    seconds to the first training step from an empty cache and from a warm one, and each

@@ -9,13 +9,13 @@ Per op and shape, variants:
   coda     coda.ops / coda.models
 Every variant's outputs and gradients are checked against an fp32 reference first.
 
-    python bench/ops_block.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,block]
+    python bench/ops_block.py --out DIR [--ops rmsnorm_linear,swiglu_mlp,linear_ce,linear_ce_options,block]
     python bench/ops_block.py --merge DIR/ops_block.json --out bench/results
 """
 
 import argparse
 import json
-import platform
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +28,7 @@ from coda.models import BlockWeights, NativeBlockWeights, block_segment, qkv_to_
 import harness
 from harness import NOTES, ROWS, by_shape, fastest_compile, log, rand, ratio, record, rel_err
 
-OPS = ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
+OPS = ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "linear_ce_options", "block")
 
 
 def max_err(outs, refs) -> float:
@@ -158,6 +158,31 @@ def bench_linear_ce(m: int, d: int, v: int) -> None:
     gemms_sum("linear_ce_fwd", shape, [(m, v, d)])
     gemms_sum("linear_ce_fwdbwd", shape, [(m, v, d), (m, d, v), (v, d, m)])
     variants("linear_ce", shape, impls, lambda _: (x, w), ref, refg, None)
+
+
+CE_OPTIONS = {"label_smoothing": 0.1, "lse_square_scale": 1e-4, "softcap": 30.0}  # PaLM's z-loss, Gemma 2's cap
+
+
+def bench_linear_ce_options(m: int, d: int, v: int) -> None:
+    """linear_ce with every option of linear_cross_entropy set (CE_OPTIONS): their cost beside
+    the plain rows. No Liger row: its options' signature differs between its releases."""
+    x, w = rand(m, d, grad=True), rand(v, d, scale=d**-0.5, grad=True)
+    t = torch.randint(0, v, (m,), device=harness.DEVICE)
+    t[::97] = -100
+    cap, eps, z_scale = CE_OPTIONS["softcap"], CE_OPTIONS["label_smoothing"], CE_OPTIONS["lse_square_scale"]
+
+    def std(x, w):
+        z = cap * torch.tanh(F.linear(x, w).float() / cap)
+        valid = t != -100
+        z_loss = torch.where(valid, torch.logsumexp(z, -1) ** 2, 0.0).sum() / valid.sum()
+        return F.cross_entropy(z, t, label_smoothing=eps) + z_scale * z_loss
+
+    ref, refg = fp32_reference(std, (x, w))
+    impls = {"eager": lambda: std(x, w), "coda": lambda: coda.ops.linear_cross_entropy(x, w, t, **CE_OPTIONS)}
+    shape = (m, v, d)
+    gemms_sum("linear_ce_options_fwd", shape, [(m, v, d)])
+    gemms_sum("linear_ce_options_fwdbwd", shape, [(m, v, d), (m, d, v), (v, d, m)])
+    variants("linear_ce_options", shape, impls, lambda _: (x, w), ref, refg, None)
 
 
 WIDTHS = {2048: 8192, 4096: 14336}  # the block's benchmarked widths, D -> FFN
@@ -326,15 +351,12 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("ops_block.py measures on a CUDA GPU; --merge runs anywhere")
-    import triton
-
     torch.manual_seed(0)
     ops = args.ops.split(",")
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "coda": coda.__version__, "python": platform.python_version(), "commit": harness.commit(),
-            "protocol": "do_bench median; bf16; outputs and gradients checked against fp32 before timing; "
-                        "gemms = sum of the op's bare cuBLAS GEMMs (speed of light), each on random inputs, one scaled "
-                        "by K^-0.5 like the ops' weights; compile = torch.compile default."}
+    meta = harness.run_meta("do_bench median; bf16; outputs and gradients checked against fp32 before timing; gemms = "
+                            "sum of the op's bare cuBLAS GEMMs (speed of light), each on random inputs, one scaled by "
+                            "K^-0.5 like the ops' weights; compile = torch.compile default.",
+                            coda=coda.__version__, autotune=os.environ.get("CODA_AUTOTUNE", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
@@ -349,6 +371,9 @@ def main() -> None:
         save()
     if "linear_ce" in ops:
         bench_linear_ce(8192, 2048, 128256)
+        save()
+    if "linear_ce_options" in ops:
+        bench_linear_ce_options(8192, 2048, 128256)
         save()
     if "block" in ops:
         for d, f in WIDTHS.items():

@@ -121,6 +121,9 @@ def hf_model(family: Family, device: str, seed: int, tiny: bool, layers: int):
     torch.manual_seed(seed)
     cfg = getattr(transformers, family.config_class)(**family.shape(tiny, layers))
     cfg._attn_implementation = "sdpa"
+    # Training builds no KV cache; with one (the config's default) transformers skips its per-document
+    # masking of packed rows and attends across documents.
+    cfg.use_cache = False
     with torch.device(device):
         hf = getattr(transformers, family.model_class)(cfg)
     freqs = {name: buf.clone() for name, buf in hf.named_buffers() if name.endswith("inv_freq")}
@@ -312,7 +315,7 @@ def spawn(args, model: str, shape: str, variant: str) -> dict:
 
 
 def key(row: dict) -> tuple:
-    """What a row measures; rows of older files (bench/train_llama.py's) have no packed flag."""
+    """What a row measures; rows of older files (train_llama.json) have no packed flag."""
     return row["model"], row["seq"], row["batch"], row.get("packed", False), row["variant"]
 
 

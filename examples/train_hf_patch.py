@@ -1,8 +1,8 @@
 """Patch a transformers Llama model with coda.patch and train it for a few steps.
 
-coda.patch swaps the model's RMSNorm + projections, SwiGLU MLP, RoPE and the LM head's cross-entropy
-for coda's fused GEMM-epilogue ops, in place: parameter names, the state_dict and generate() stay
-those of transformers. The first loss is computed before and after patching on the same weights,
+coda.patch runs the model's RMSNorms, its SwiGLU MLPs and the LM head's cross-entropy through
+coda's fused GEMM-epilogue ops, in place; the q/k/v projections, RoPE and attention stay HF's.
+Parameter names, the state_dict and generate() stay those of transformers. The first loss is computed before and after patching on the same weights,
 so the two can be compared.
 
     python examples/train_hf_patch.py                     # a tiny model: seconds on the CPU

@@ -5,9 +5,10 @@ One fresh worker process (TRITON_INTERPRET=0, its own coda and Triton caches,
 TRITON_DUMP_PTXAS_LOG=1 so that the ptxas log gives spill bytes) serves every compile of this
 module, one JSON request a line:
 
-* every @coda.epilogue of `coda.ops.epilogues` (and the `lm_head(dtype)` ones) and the plain GEMM,
-  with gluon-hopper's default config and the operand dtypes a Llama block passes (Tile operands
-  bf16, vectors fp32, `target` / `pos` int64; `pos` also int32), a row-major and b = W.T;
+* every @coda.epilogue of `coda.ops.epilogues` (and the `lm_head(dtype)` ones, with bf16's option
+  variants) and the plain GEMM, with gluon-hopper's default config and the operand dtypes a Llama
+  block passes (Tile operands bf16, vectors fp32, `target` / `pos` int64; `pos` also int32), a
+  row-major and b = W.T;
 * both memory orders of a and b (tma_row / tma_col) for the plain GEMM and for rms_swiglu;
 * random epilogue programs (test_properties' generator) with random operand dtypes and layouts.
 
@@ -26,10 +27,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -44,14 +43,11 @@ from coda.ops import epilogues as E
 from coda.runtime.aot import hopper_spec
 from coda.runtime.launch import PLAIN
 from coda.runtime.resources import GLUON_MAXNREG, HOPPER_SMEM_BYTES
+from aot_worker import AotWorker, script
 from test_properties import Program, programs
 
-WORKER = textwrap.dedent('''
-    import contextlib, io, json, os, re, sys, traceback
-
-    out = os.fdopen(os.dup(1), "w")  # replies; everything else printed goes to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+WORKER = script('''
+    import contextlib, io, re
 
     import torch
     import triton
@@ -82,6 +78,8 @@ WORKER = textwrap.dedent('''
 
     EPILOGUES = {ep.graph.name: ep for ep in vars(E).values() if isinstance(ep, Epilogue)}
     EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32))})
+    EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(torch.bfloat16, softcap=c, smoothing=s)
+                                                   for c, s in ((True, False), (False, True), (True, True)))})
     EPILOGUES.update({ep.graph.name: ep for ep in (f(hd) for f in (E.rms_qknorm_rope, E.qknorm_rope_backward)
                                                    for hd in (64, 128))})
     M, N, K = 256, 256, 128
@@ -162,55 +160,18 @@ WORKER = textwrap.dedent('''
                                 n=req["n"], config=req.get("config"))
         raise ValueError(f"unknown request {req!r}")
 
-
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            reply = {"ok": True, "result": handle(req)}
-        except Exception:
-            reply = {"ok": False, "error": traceback.format_exc()}
-        out.write(json.dumps(reply) + "\\n")
-        out.flush()
 ''')
 
 
-class Worker:
-    """The compiling process: one JSON request a line in, one JSON reply a line out."""
+class Worker(AotWorker):
+    """The compiling process, and the numbers it gave (printed at the end, shown with pytest -s)."""
 
     def __init__(self, tmp: Path) -> None:
-        script = tmp / "gluon_aot_worker.py"
-        script.write_text(WORKER)
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DUMP_PTXAS_LOG": "1",
-               "CODA_CACHE_DIR": str(tmp / "coda"), "TRITON_CACHE_DIR": str(tmp / "triton")}
-        env.pop("CODA_BACKEND", None)
-        self.log = tmp / "worker.stderr"
-        self._stderr = self.log.open("w")
-        self.proc = subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        super().__init__(tmp, WORKER, TIMEOUT_S, env={"TRITON_DUMP_PTXAS_LOG": "1", "CODA_BACKEND": None})
         self.results: dict[str, dict] = {}
 
     def ask(self, **req: object) -> dict:
-        assert self.proc.poll() is None, f"the worker exited: {self.log.read_text()[-4000:]}"
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        if not select.select([self.proc.stdout], [], [], TIMEOUT_S)[0]:
-            self.proc.kill()
-            pytest.fail(f"{req}: no reply within {TIMEOUT_S} s: {self.log.read_text()[-4000:]}")
-        line = self.proc.stdout.readline()
-        assert line, f"the worker died: {self.log.read_text()[-4000:]}"
-        reply = json.loads(line)
-        assert reply["ok"], f"{req}: {reply['error']}"
-        return reply["result"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._stderr.close()
+        return self.request(req, f"{req}: ")
 
 
 TIMEOUT_S = 300  # one compile takes seconds
@@ -218,18 +179,16 @@ TIMEOUT_S = 300  # one compile takes seconds
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory):
-    w = Worker(tmp_path_factory.mktemp("gluon_aot"))
-    try:
+    with Worker(tmp_path_factory.mktemp("gluon_aot")) as w:
         yield w
-    finally:
         if w.results:
-            print(json.dumps(w.results, indent=1))  # shown with pytest -s: the numbers behind the assertions
-        w.close()
+            print(json.dumps(w.results, indent=1))  # the numbers behind the assertions
 
 
 def _all_epilogues() -> list[Epilogue]:
     eps = [ep for ep in vars(E).values() if isinstance(ep, Epilogue)]
-    return eps + [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+    return (eps + [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+            + [E.lm_head(torch.bfloat16, softcap=c, smoothing=s) for c, s in ((True, False), (False, True), (True, True))])
 
 
 def _by_name(name: str) -> Epilogue:
@@ -260,6 +219,9 @@ SPILLS: dict[str, tuple[int, int]] = {
     "lm_head_stats_bf16": (0, 0),               # 131336
     "lm_head_stats_fp16": (32, 32),             # 131336
     "lm_head_stats_fp32": (0, 0),               # 131336
+    "lm_head_stats_bf16_smooth": (80, 80),      # 131352, linear_cross_entropy's options, measured when they came
+    "lm_head_stats_bf16_softcap": (360, 360),   # 131352 (the cap as c * tanh(l / c): 1340)
+    "lm_head_stats_bf16_softcap_smooth": (624, 624),  # 131352
     "rope": (0, 0),                             # 147752
     "rms_rope": (4, 4),                         # 147768
     "rope_bias": (16, 16),                      # 147768, measured when Qwen2's q/k/v biases came
@@ -272,6 +234,8 @@ SPILLS: dict[str, tuple[int, int]] = {
     "rmsnorm_backward_rowterm": (308, 308),     # 181384
     "swiglu_backward": (0, 0),                  # 213384, the epilogue as a loop (its default)
     "swiglu_backward_zdz": (0, 0),              # 213384, the epilogue as a loop (its default)
+    "geglu_save": (0, 0),                       # measured when Gemma's GeGLU came
+    "geglu_backward_zdz": (0, 0),               # measured when Gemma's GeGLU came, as a loop (its default)
 }
 
 
@@ -497,7 +461,7 @@ def test_gluon_clusters_do_not_multicast_tma_loads_on_sm90(tmp_path: Path) -> No
     load into a tile both CTAs hold stays one plain load per CTA, not `.multicast::cluster`. So
     gluon-hopper cannot share an operand load across a CTA pair as cuBLAS's clustered kernels do.
     If this fails after a Triton upgrade, multicast may have become reachable: revisit
-    docs/DESIGN.md, "Where the gluon-hopper work stands", item 2."""
+    docs/HISTORY.md, "What limits the fused GEMMs", item 4, and the same section of docs/DESIGN.md."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     proc = subprocess.run([sys.executable, str(root / "bench" / "tools" / "probe_multicast.py")], env=env, capture_output=True,

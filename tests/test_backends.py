@@ -44,6 +44,8 @@ cpu_only = pytest.mark.skipif(GPU, reason="checks the choice made without a GPU 
 
 EPILOGUES: dict[str, Epilogue] = {ep.graph.name: ep for ep in vars(E).values() if isinstance(ep, Epilogue)}
 EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32))})
+EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(torch.bfloat16, softcap=c, smoothing=s)
+                                                for c, s in ((True, False), (False, True), (True, True)))})
 M, N, K = 256, 256, 128
 INTERPRETER = "Gluon kernels do not run under Triton's interpreter"
 

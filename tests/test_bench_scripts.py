@@ -68,11 +68,11 @@ def test_ops_block_script(cpu_harness) -> None:
     ob.bench_rmsnorm_linear(40, 32, 48)
     ob.bench_swiglu_mlp(40, 32, 24)
     ob.bench_linear_ce(40, 32, 60)
+    ob.bench_linear_ce_options(40, 32, 60)
     ob.bench_block(40, 64, 48, heads=4, kv=2)
     assert cpu_harness.NOTES == []
     coda_rows = [r for r in cpu_harness.ROWS if r["variant"] == "coda"]
-    assert {r["op"] for r in coda_rows} == {f"{op}_{p}" for op in ("rmsnorm_linear", "swiglu_mlp", "linear_ce", "block")
-                                           for p in ("fwd", "fwdbwd")}
+    assert {r["op"] for r in coda_rows} == {f"{op}_{p}" for op in ob.OPS for p in ("fwd", "fwdbwd")}
     assert {r["op"] for r in cpu_harness.ROWS if r["variant"] == "coda_native_layout"} == {"block_fwd", "block_fwdbwd"}
 
 

@@ -80,7 +80,7 @@ def test_shape_and_setting_parse() -> None:
     (["tune", "--hf-config", "LlamaConfig", "--set", "hidden_sz=64", "--batch", "2", "--seq", "8"],
      "LlamaConfig has no field hidden_sz"),
     (["tune", "--hf-config", "LlamaConfig", "--set", "hidden_act=gelu", "--batch", "2", "--seq", "8"],
-     "cannot represent this config: hidden_act='gelu'"),
+     "llama: hidden_act='gelu'"),
     (["tune", "nocolon", "--shape", "8,8,8"], "'nocolon' is not 'plain' or 'module:epilogue'"),
     (["tune", "coda:gemm", "--shape", "8,8,8"], "coda:gemm is not a @coda.epilogue (got function)"),
     (["tune", "no_such_module:x", "--shape", "8,8,8"], "cannot import no_such_module"),

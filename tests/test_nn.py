@@ -33,3 +33,12 @@ def test_linear_cross_entropy_module() -> None:
     x, t = torch.randn(2, 4, 16, device=DEVICE), torch.randint(0, 30, (2, 4), device=DEVICE)
     ref = F.cross_entropy(F.linear(x, m.weight).reshape(-1, 30), t.reshape(-1), reduction="sum")
     torch.testing.assert_close(m(x, t), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_cross_entropy_module_passes_the_options() -> None:
+    m = coda.nn.LinearCrossEntropy(16, 30, reduction="none", label_smoothing=0.1, lse_square_scale=0.05, softcap=2.0,
+                                   device=DEVICE)
+    x, t = torch.randn(2, 4, 16, device=DEVICE), torch.randint(0, 30, (2, 4), device=DEVICE)
+    z = 2.0 * torch.tanh(F.linear(x, m.weight) / 2.0)
+    ref = F.cross_entropy(z.transpose(1, 2), t, reduction="none", label_smoothing=0.1) + 0.05 * torch.logsumexp(z, -1) ** 2
+    torch.testing.assert_close(m(x, t), ref, rtol=1e-5, atol=1e-5)

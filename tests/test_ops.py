@@ -43,8 +43,9 @@ def leaf(*shape: int, dtype: torch.dtype, s: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * s).to(dtype).requires_grad_()
 
 
-def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], dout: torch.Tensor | None = None) -> tuple:
-    return torch.autograd.grad(out, inputs, dout)
+def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], dout: torch.Tensor | None = None,
+          retain_graph: bool | None = None) -> tuple:
+    return torch.autograd.grad(out, inputs, dout, retain_graph=retain_graph)
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -180,9 +181,19 @@ def test_swiglu_mlp_checks_shapes() -> None:
 
 # -- linear_cross_entropy ----------------------------------------------------------------------
 
-def reference_ce(x, w, t, ignore_index=-100, reduction="mean"):
-    return F.cross_entropy(F.linear(x, w).float().reshape(-1, w.shape[0]), t.reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
+def reference_ce(x, w, t, ignore_index=-100, reduction="mean", *, label_smoothing=0.0, lse_square_scale=0.0,
+                 softcap=None):
+    """fp32 torch: F.cross_entropy (its own smoothing and averaging) of the (softcapped) logits,
+    plus the z-loss lse_square_scale * logsumexp^2 of the non-ignored rows, averaged with them."""
+    z, t = F.linear(x, w).float().reshape(-1, w.shape[0]), t.reshape(-1)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    if lse_square_scale:
+        valid = t != ignore_index
+        zloss = torch.where(valid, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+        loss = loss + {"none": zloss, "sum": zloss.sum(), "mean": zloss.sum() / valid.sum()}[reduction]
+    return loss.reshape(x.shape[:-1]) if reduction == "none" else loss
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,14 +241,87 @@ def test_linear_cross_entropy_without_gradients(dtype: torch.dtype) -> None:
     ref = reference_ce(x, w, t)
     close(coda.ops.linear_cross_entropy(x, w, t), ref, dtype, 24, "loss")
     with torch.no_grad():
-        loss, kept = torch.ops.coda.linear_cross_entropy_fwd(x, w, t, -100, "mean", False)
+        loss, kept = torch.ops.coda.linear_cross_entropy_fwd(x, w, t, -100, "mean", 0.0, 0.0, None, False)
     close(loss, ref, dtype, 24, "loss under no_grad")
     assert kept.numel() == 0
 
 
+OPTIONS = {
+    "smoothing": {"label_smoothing": 0.1},
+    "z-loss": {"lse_square_scale": 0.05},
+    "softcap": {"softcap": 2.5},
+    "all": {"label_smoothing": 0.2, "lse_square_scale": 0.02, "softcap": 2.0},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_linear_cross_entropy_options(dtype: torch.dtype, reduction: str, option: str) -> None:
+    """Label smoothing, z-loss and softcapping, alone and together, under each reduction, with
+    ignored rows and a ragged last tile: the loss with and without gradients, dx and dW (for
+    "none" under a random per-row upstream gradient) against fp32 torch."""
+    lead, d, v = (3, 5), scale(24, 256), scale(41, 4000)
+    kw = OPTIONS[option]
+    x, w = leaf(*lead, d, dtype=dtype), leaf(v, d, dtype=dtype, s=0.5)
+    # Mostly the most likely class, as in a trained model: smoothing then moves the loss far
+    # (with random targets it moves it about as little as bf16's tolerance).
+    t = F.linear(x, w).argmax(-1)
+    t.view(-1)[[1, 7]] = -100
+    t.view(-1)[[0, -1]] = v - 1  # the last (ragged-tile) column is a target
+    loss = coda.ops.linear_cross_entropy(x, w, t, reduction=reduction, **kw)
+    ref = reference_ce(x, w, t, reduction=reduction, **kw)
+    up = torch.randn(lead, device=DEVICE) if reduction == "none" else None
+    ref_grads = grads(ref, (x, w), up, retain_graph=True)
+    plain = reference_ce(x, w, t, reduction=reduction)
+    for what, a, b in (("loss", ref, plain), ("dx", ref_grads[0], grads(plain, (x,), up)[0])):
+        assert rel(a, b) > 4 * limit(dtype, max(d, v)), f"the option must change the {what} beyond the tolerance"
+    assert loss.shape == ref.shape and loss.dtype == torch.float32
+    close(loss, ref, dtype, d, "loss")
+    if reduction == "none":
+        assert (loss.view(-1)[[1, 7]] == 0).all()
+    with torch.no_grad():
+        close(coda.ops.linear_cross_entropy(x, w, t, reduction=reduction, **kw), ref, dtype, d, "loss without gradients")
+    for name, a, b in zip("xw", grads(loss, (x, w), up), ref_grads):
+        close(a, b, dtype, max(d, v), f"d{name}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_options_all_ignored(reduction: str) -> None:
+    """Every row ignored: "mean" is nan, the others 0, and every gradient 0, as in PyTorch."""
+    x, w = leaf(6, 16, dtype=torch.float32), leaf(30, 16, dtype=torch.float32)
+    t = torch.full((6,), -100, device=DEVICE)
+    kw = OPTIONS["all"]
+    loss = coda.ops.linear_cross_entropy(x, w, t, reduction=reduction, **kw)
+    ref = reference_ce(x, w, t, reduction=reduction, **kw)
+    torch.testing.assert_close(loss, ref, equal_nan=True)
+    for a, b in zip(grads(loss.sum(), (x, w)), grads(ref.sum(), (x, w))):
+        torch.testing.assert_close(a, b)
+        assert not a.any()
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"label_smoothing": -0.1}, ValueError, r"label_smoothing must be in \[0, 1\], got -0.1"),
+    ({"label_smoothing": 1.5}, ValueError, r"label_smoothing must be in \[0, 1\]"),
+    ({"label_smoothing": float("nan")}, ValueError, r"label_smoothing must be in \[0, 1\]"),
+    ({"label_smoothing": torch.tensor(0.1)}, TypeError, "label_smoothing must be a Python number, got Tensor"),
+    ({"lse_square_scale": -1e-4}, ValueError, "lse_square_scale must be finite and >= 0"),
+    ({"lse_square_scale": float("inf")}, ValueError, "lse_square_scale must be finite and >= 0"),
+    ({"softcap": 0.0}, ValueError, r"softcap must be None or finite and > 0, got 0.0"),
+    ({"softcap": -30.0}, ValueError, "softcap must be None or finite and > 0"),
+    ({"softcap": float("inf")}, ValueError, "softcap must be None or finite and > 0"),
+    ({"softcap": True}, TypeError, "softcap must be a Python number, got bool"),
+    ({"reduction": "batchmean"}, ValueError, "reduction must be one of"),
+])
+def test_linear_cross_entropy_option_errors(kw: dict, exc: type, match: str) -> None:
+    x, w, t = torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(exc, match=match):
+        coda.ops.linear_cross_entropy(x, w, t, **kw)
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(4, dtype=torch.long),
-                                           reduction="none"), ValueError, "reduction must be one of"),
+                                           reduction="avg"), ValueError, "reduction must be one of"),
     (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 7), torch.zeros(4, dtype=torch.long)),
      ValueError, r"must be \[..., D\], \[V, D\]"),
     (lambda: coda.ops.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(9, 8), torch.zeros(5, dtype=torch.long)),
@@ -297,4 +381,25 @@ def test_fullgraph_compile_parity() -> None:
     torch.testing.assert_close(compiled, eager)
     params = (x, g, w, g2, wg, wu, wd, wv)
     for a, b in zip(grads(compiled, params), grads(eager, params)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+def test_fullgraph_compile_cross_entropy_options() -> None:
+    """reduction="none" with every option traces into one graph (the fake kernel gives the
+    per-row loss its shape) and gives eager's loss and gradients."""
+    torch._dynamo.reset()
+    x, wv = leaf(2, 5, 16, dtype=torch.float32), leaf(30, 16, dtype=torch.float32)
+    t = torch.randint(0, 30, (2, 5), device=DEVICE)
+    t[0, 1] = -100
+    up = torch.randn(2, 5, device=DEVICE)
+
+    def loss(x):
+        return (coda.ops.linear_cross_entropy(x, wv, t, reduction="none", **OPTIONS["all"]) * up).sum()
+
+    eager = loss(x)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager" if not GPU else "inductor")(x)
+    torch.testing.assert_close(compiled, eager)
+    close(eager, (reference_ce(x, wv, t, reduction="none", **OPTIONS["all"]) * up).sum(), torch.float32, 16, "loss")
+    for a, b in zip(grads(compiled, (x, wv)), grads(eager, (x, wv))):
         torch.testing.assert_close(a, b)

@@ -1,4 +1,4 @@
-"""coda.patch on transformers Llama and Mistral models (tiny, built from configs): the same loss and
+"""coda.patch on transformers Llama, Mistral and Gemma 3 models (tiny, built from configs): the same loss and
 gradients as the unpatched model in fp32, unchanged parameter names and state_dict, the same greedy
 .generate() tokens, clear refusals; and the fused norm + MLP op it uses against plain PyTorch."""
 
@@ -24,12 +24,15 @@ def hf_model(kind: str, **kw):
     torch.manual_seed(0)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True, **kw))
+    elif kind == "gemma3_text":  # a window shorter than SEQ on layer 0, the local RoPE base there
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **SHAPE, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"], **kw))
     else:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, **kw))
     model = model.to(DEVICE).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # Gemma's scale is 1 + w (w starts at 0): any w away from 0 tests it too
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     return model
 
@@ -38,13 +41,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+# Swapped per layer: Llama's input norm and norm + MLP; Gemma's also its two sandwich norms.
+SWAPPED_PER_LAYER = {"llama": 2, "mistral": 2, "gemma3_text": 4}
+
+
+@pytest.mark.parametrize("kind", sorted(SWAPPED_PER_LAYER))
 def test_patched_model_trains_like_the_unpatched_one(kind: str) -> None:
     ref = hf_model(kind)
     model = copy.deepcopy(ref)
     names, sd = [n for n, _ in ref.named_parameters()], ref.state_dict()
     assert coda.patch(model) is model
-    assert len(model.coda_patched) == 2 * SHAPE["num_hidden_layers"] + 2
+    assert len(model.coda_patched) == SWAPPED_PER_LAYER[kind] * SHAPE["num_hidden_layers"] + 2
     assert [n for n, _ in model.named_parameters()] == names
     assert list(model.state_dict()) == list(sd) and all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
     ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)
@@ -61,8 +68,9 @@ def test_patched_model_trains_like_the_unpatched_one(kind: str) -> None:
         assert rel(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
 
 
-def test_patched_generate_gives_the_same_tokens() -> None:
-    ref = hf_model("llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_patched_generate_gives_the_same_tokens(kind: str) -> None:
+    ref = hf_model(kind)
     model = coda.patch(copy.deepcopy(ref))
     prompt = torch.randint(0, VOCAB, (2, 4), device=DEVICE)
     mask = torch.ones_like(prompt)
@@ -86,17 +94,24 @@ def test_unpatchable_models_are_refused_clearly() -> None:
         coda.patch(torch.nn.Linear(4, 4))
 
 
+GATED = {"swiglu": (coda.ops.rmsnorm_swiglu_mlp, F.silu),
+         "geglu": (coda.ops.rmsnorm_geglu_mlp, lambda t: F.gelu(t, approximate="tanh"))}
+
+
+@pytest.mark.parametrize("mlp", sorted(GATED))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_swiglu_mlp_matches_pytorch(dtype: torch.dtype) -> None:
+def test_rmsnorm_gated_mlp_matches_pytorch(dtype: torch.dtype, mlp: str) -> None:
+    op, act = GATED[mlp]
+
     def leaf(*shape: int, s: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, device=DEVICE) * s).to(dtype).requires_grad_()
 
     d, f = 24, 40
     x, g = leaf(2, 9, d), leaf(d, s=0.3)
     wg, wu, wd = leaf(f, d, s=d**-0.5), leaf(f, d, s=d**-0.5), leaf(d, f, s=f**-0.5)
-    out = coda.ops.rmsnorm_swiglu_mlp(x, g, wg, wu, wd, eps=1e-5)
+    out = op(x, g, wg, wu, wd, eps=1e-5)
     h = F.rms_norm(x.float(), (d,), g.float(), 1e-5)
-    ref = F.linear(F.silu(F.linear(h, wg.float())) * F.linear(h, wu.float()), wd.float())
+    ref = F.linear(act(F.linear(h, wg.float())) * F.linear(h, wu.float()), wd.float())
     bound = 1e-5 if dtype == torch.float32 else 6 * EPS[dtype]
     assert out.shape == x.shape and rel(out, ref) < bound
     dout = torch.randn_like(ref)

@@ -199,7 +199,8 @@ def test_python_float_scalar_is_fp32(s: float) -> None:
 
 
 def test_sin_cos_stay_bounded_for_huge_arguments() -> None:
-    """Past the accurate range (README) the result is bounded, not accurate; inf/NaN give NaN."""
+    """Past the accurate range (docs/DESIGN.md, "The contract") the result is bounded, not accurate;
+    inf/NaN give NaN."""
 
     @coda.epilogue
     def trig(acc, g: coda.Tile):

@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import select
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -32,6 +28,7 @@ from coda.runtime.config import Config, default_config, min_block_n
 from coda.runtime.resources import HOPPER_SMEM_BYTES, misfit
 from coda.runtime.specialize import call_smem_bytes
 from coda.runtime.validate import validate
+from aot_worker import AotWorker, script
 from conftest import assert_close
 
 M, N, K = 128, 4096, 1024
@@ -110,13 +107,7 @@ def test_the_fitted_default_runs_correctly_under_the_interpreter() -> None:
 
 # -- sm_90 AOT compiles: the ground truth ----------------------------------------------------
 
-WORKER = textwrap.dedent('''
-    import json, os, sys, traceback
-
-    out = os.fdopen(os.dup(1), "w")  # replies; everything else printed goes to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
+WORKER = script('''
     import torch
     import coda
     from coda.codegen import unsupported
@@ -152,55 +143,21 @@ WORKER = textwrap.dedent('''
             return {**reply, "refused": reason}
         return {**reply, "shared": compile_call(call, cfg).shared}
 
-
-    for line in sys.stdin:
-        try:
-            reply = {"ok": True, "result": handle(json.loads(line))}
-        except Exception:
-            reply = {"ok": False, "error": traceback.format_exc()}
-        out.write(json.dumps(reply) + "\\n")
-        out.flush()
 ''')
 TIMEOUT_S = 300
 
 
-class Worker:
-    """A process compiling for sm_90 without a GPU: one JSON request a line in, a reply out."""
-
-    def __init__(self, tmp: Path) -> None:
-        script = tmp / "resources_aot_worker.py"
-        script.write_text(WORKER)
-        env = {**os.environ, "TRITON_INTERPRET": "0", "CODA_CACHE_DIR": str(tmp / "coda"),
-               "TRITON_CACHE_DIR": str(tmp / "triton")}
-        self.log = tmp / "worker.stderr"
-        self._stderr = self.log.open("w")
-        self.proc = subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+class Worker(AotWorker):
+    """The compiling process, asked for one program under one config at one shape."""
 
     def ask(self, source: str, config: object, shape: tuple[int, int, int] = (M, N, K)) -> dict:
-        assert self.proc.poll() is None, f"the worker exited: {self.log.read_text()[-4000:]}"
-        self.proc.stdin.write(json.dumps({"source": source, "config": config, "shape": shape}) + "\n")
-        self.proc.stdin.flush()
-        if not select.select([self.proc.stdout], [], [], TIMEOUT_S)[0]:
-            self.proc.kill()
-            pytest.fail(f"no reply within {TIMEOUT_S} s: {self.log.read_text()[-4000:]}")
-        reply = json.loads(self.proc.stdout.readline() or '{"ok": false, "error": "the worker died"}')
-        assert reply["ok"], reply["error"]
-        return reply["result"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self._stderr.close()
+        return self.request({"source": source, "config": config, "shape": shape})
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory):
-    w = Worker(tmp_path_factory.mktemp("resources_aot"))
-    try:
+    with Worker(tmp_path_factory.mktemp("resources_aot"), WORKER, TIMEOUT_S) as w:
         yield w
-    finally:
-        w.close()
 
 
 def _source(body: str) -> str:

@@ -38,6 +38,7 @@ def timed_or_refused(row: dict, model_type: str) -> bool:
     return row.get("tokens_per_s", 0) > 0 if "skipped" not in row else model_type in row["skipped"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GPU, reason="the CPU smoke mode; on a GPU the script itself is the test")
 def test_tiny_run_writes_rows_skips_and_notes_and_merges(tmp_path: Path) -> None:
     run("--tiny", "--models", "llama3.2-1b,qwen3-1.7b", "--variants", "coda,hf_liger", "--packed", "--out", str(tmp_path))

@@ -15,7 +15,7 @@ k=${2:-64}
 shift 2 2>/dev/null || shift $#
 configs=("$@")
 [ ${#configs[@]} -eq 0 ] && configs=("sub4 e2 b1" "sub4 loop" "triton")
-if [ -d .whl ]; then  # pydantic travels as wheels (README, "Running on the H200")
+if [ -d .whl ]; then  # pydantic travels as wheels (docs/PERFORMANCE.md, "Running on the H200")
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi

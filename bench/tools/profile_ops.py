@@ -1,9 +1,9 @@
 """Where the time of coda.ops and the block goes, kernel by kernel, on a GPU.
 
 For each op (forward + backward, the bench/ops_block.py shapes at D=2048, FFN=8192,
-M=8192) and, beside it, its eager PyTorch version: one warm-up (coda tunes there), then
-torch.profiler over a few iterations; per kernel name: launches and device microseconds per
-iteration. coda's GEMM kernels are named `coda_<epilogue>`. Then, per op, the host time to
+M=8192) and, beside it, its eager PyTorch version: one warm-up (coda compiles there, and tunes
+under CODA_AUTOTUNE=1), then torch.profiler over a few iterations; per kernel name: launches and
+device microseconds per iteration. coda's GEMM kernels are named `coda_<epilogue>`. Then, per op, the host time to
 enqueue a step beside its wall time (does the GPU wait for Python?), and the LM-head GEMM at
 each row-group size (GROUP_M) beside cuBLAS.
 
@@ -157,8 +157,8 @@ def idle_gaps(step, top: int = 6) -> dict:
 
 
 def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float]:
-    """The LM-head GEMM (plain, and with the statistics epilogue, weight [V, D]) at its tuned tile with
-    each GROUP_M, beside cuBLAS: with the tile order grouping GROUP_M row tiles, the 0.5 GB weight
+    """The LM-head GEMM (plain, and with the statistics epilogue, weight [V, D]) at the tile coda picks
+    (tuned under CODA_AUTOTUNE=1, else the default) with each GROUP_M, beside cuBLAS: with the tile order grouping GROUP_M row tiles, the 0.5 GB weight
     is read from memory m / (BLOCK_M * GROUP_M) times."""
     import triton
 
@@ -171,7 +171,7 @@ def row_groups(m: int = 8192, d: int = 2048, v: int = 128256) -> dict[str, float
     times = {"cublas": triton.testing.do_bench(lambda: x @ w.T, return_mode="median")}
     for label, ep, ops in (("plain", None, {}), ("lm_head_stats", E.lm_head(torch.bfloat16), {"target": t})):
         graph = graph_of(ep)
-        coda.gemm(x, w.T, ep, **ops)  # tunes
+        coda.gemm(x, w.T, ep, **ops)  # picks the config (tunes under CODA_AUTOTUNE=1)
         base = chosen_config(graph, x, w.T, ops)
         for g in (4, 8, 16, 32, 64):
             cfg = base.model_copy(update={"group_m": g})

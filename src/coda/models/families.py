@@ -90,6 +90,7 @@ class Family:
     fields: Mapping[str, Rule]
     qkv_bias: bool = False  # its q/k/v projections always carry biases (Qwen2), whatever the config says
     qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
+    gemma: bool = False  # Gemma 3's decoder layer: (1 + w) norms, sandwich norms, a GeGLU MLP
 
 
 _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
@@ -105,6 +106,22 @@ _WINDOWS = {"sliding_window": ANY,
             "use_sliding_window": DERIVED, "max_window_layers": DERIVED,
             "layer_types": _attention_only(LAYER_TYPES)}
 
+# Gemma 3: coda.patch runs its norms ((1 + w), with the sandwich norms), its GeGLU MLP and its LM head;
+# everything else below is HF's attention (QK-norm, query_pre_attn_scalar, per-layer-type RoPE,
+# windows, logit softcapping of the scores), so it is marked for coda's own model, which does not
+# take gemma3_text yet (FAMILIES' entries): adding FROM_HF means handling each of these there.
+_GEMMA3 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sliding_window": ANY,
+           "layer_types": _attention_only(LAYER_TYPES),
+           "hidden_activation": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
+           # tanh softcapping of the logits before the loss: coda's LM head and loss do not compute it.
+           "final_logit_softcapping": Rule(lambda v: v is None, "None"),
+           **{name: _attention_only(ANY) for name in (
+               "query_pre_attn_scalar", "attn_logit_softcapping", "use_bidirectional_attention",
+               "rope_local_base_freq")},
+           # Read when the config is built (older transformers spell the window pattern without the
+           # underscore and name generate()'s cache class): no model math reads them.
+           "_sliding_window_pattern": DERIVED, "sliding_window_pattern": DERIVED, "cache_implementation": DERIVED}
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
@@ -112,6 +129,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
                            **_WINDOWS}, qk_norm=True),
+    Family("gemma3_text", frozenset({PATCH}), _GEMMA3, gemma=True),
 )}
 
 

@@ -1,4 +1,4 @@
-"""coda.patch: run a transformers Llama-shaped model (Llama, Mistral, Qwen2, Qwen3) through coda's ops.
+"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 3) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -6,16 +6,21 @@ same process is untouched. The modules and parameters stay where they are: param
 `state_dict()`, `load_state_dict()` and `.generate()` keep working.
 
 What runs through coda:
-* each decoder layer's post-attention RMSNorm + MLP: `coda.ops.rmsnorm_swiglu_mlp` (the norm's
+* each decoder layer's norm in front of the MLP + the MLP: `coda.ops.rmsnorm_swiglu_mlp` (Llama's
+  post-attention norm) or `coda.ops.rmsnorm_geglu_mlp` (Gemma's pre-feedforward norm) (the norm's
   forward passes its input through; the MLP applies the norm with the norm's own weight and eps);
-* each decoder layer's input RMSNorm: `coda.ops.rmsnorm` (two row passes, forward and backward;
-  its output feeds HF's three separate q/k/v projections, so it cannot move into one GEMM);
+* each decoder layer's other RMSNorms: `coda.ops.rmsnorm` (two row passes, forward and backward):
+  the input norm, whose output feeds HF's three separate q/k/v projections, so it cannot move into
+  one GEMM, and Gemma's sandwich norms on the attention and MLP outputs, which need a whole row of
+  the GEMM output before the residual add;
 * the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
   materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
-What stays HF's: the q/k/v projections (three separate projections inside HF's attention, which
-coda does not rewrite), RoPE and attention, with whatever the family does there (Qwen2's q/k/v
-biases, Qwen3's QK-norm, sliding windows). Which families and config fields fit: families.py.
+Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32. What stays HF's: the embedding
+(with Gemma's scale), the q/k/v projections (three separate projections inside HF's attention,
+which coda does not rewrite), RoPE and attention, with whatever the family does there (Qwen2's q/k/v
+biases, Qwen3's and Gemma 3's QK-norm, sliding windows, Gemma's per-layer-type RoPE and attention
+scale). Which families and config fields fit: families.py.
 """
 
 from __future__ import annotations
@@ -30,22 +35,33 @@ from torch import nn
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.rmsnorm import rmsnorm
 from ..ops.rmsnorm_linear import rmsnorm_linear
-from ..ops.rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
+from ..ops.rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
 from . import families
 
 log = logging.getLogger("coda")
+
 
 def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
 
 
-def _input_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rmsnorm(hidden_states, self.weight, self.variance_epsilon)
+def _gain(norm: nn.Module) -> torch.Tensor:
+    """The RMSNorm's per-column scale g: its weight, or Gemma's 1 + w in fp32 (HF's Gemma3RMSNorm
+    scales in fp32 and rounds once, as coda's row pass does; dg maps back to dw unchanged)."""
+    return 1.0 + norm.weight.float() if norm._coda_unit_offset else norm.weight
+
+
+def _eps(norm: nn.Module) -> float:
+    return norm.eps if norm._coda_unit_offset else norm.variance_epsilon  # Gemma's name, Llama's
+
+
+def _norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rmsnorm(hidden_states, _gain(self), _eps(self))
 
 
 def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # The final norm is deferred to the LM head's fused op while the patched CausalLM forward
-    # asks for logits (the flag is set only for that call); otherwise HF's norm.
+    # asks for logits (the flag is set only for that call); otherwise the norm alone.
     if self._coda_deferred:
         return hidden_states
     return self._coda_forward(hidden_states)
@@ -53,8 +69,7 @@ def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
-    return rmsnorm_swiglu_mlp(x, norm.weight, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                              norm.variance_epsilon)
+    return self._coda_op(x, _gain(norm), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, _eps(norm))
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -77,7 +92,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:
             hidden = hidden[:, logits_to_keep]
-        logits = rmsnorm_linear(hidden, norm.weight, self.lm_head.weight, norm.variance_epsilon)
+        logits = rmsnorm_linear(hidden, _gain(norm), self.lm_head.weight, _eps(norm))
     else:
         target = F.pad(labels.to(hidden.device), (0, 1), value=-100)[:, 1:]  # HF's shift: token t predicts t + 1
         if num_items is None:
@@ -113,17 +128,34 @@ def patch(model: nn.Module) -> nn.Module:
         raise TypeError(f"coda.patch: cannot patch {type(model).__name__}: " + "; ".join(problems))
     if getattr(model, "coda_patched", None):
         return model
+    gemma = families.FAMILIES[model.config.model_type].gemma
+    # The norm in front of the MLP runs inside coda's fused op; the others run alone. Llama's
+    # post-attention norm feeds the MLP. Gemma's normalizes the attention output before the
+    # residual add (a sandwich norm, as its post-feedforward norm does the MLP output), and its
+    # pre-feedforward norm feeds the MLP.
+    mlp_norm, mlp_op = ("pre_feedforward_layernorm", rmsnorm_geglu_mlp) if gemma else \
+        ("post_attention_layernorm", rmsnorm_swiglu_mlp)
+    alone = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm") if gemma else \
+        ("input_layernorm",)
     swapped = []
     for i, layer in enumerate(model.model.layers):
-        layer.input_layernorm.forward = types.MethodType(_input_norm, layer.input_layernorm)
-        swapped += [f"model.layers.{i}.input_layernorm -> coda.ops.rmsnorm"]
-        norm, mlp = layer.post_attention_layernorm, layer.mlp
+        for name in alone:
+            norm = getattr(layer, name)
+            norm._coda_unit_offset = gemma
+            norm.forward = types.MethodType(_norm, norm)
+            swapped += [f"model.layers.{i}.{name} -> coda.ops.rmsnorm"]
+        norm, mlp = getattr(layer, mlp_norm), layer.mlp
+        norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_passthrough, norm)
         object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
+        mlp._coda_op = mlp_op
         mlp.forward = types.MethodType(_mlp_forward, mlp)
-        swapped += [f"model.layers.{i}.post_attention_layernorm+mlp -> coda.ops.rmsnorm_swiglu_mlp"]
+        swapped += [f"model.layers.{i}.{mlp_norm}+mlp -> coda.ops.{mlp_op.__name__}"]
     norm = model.model.norm
-    norm._coda_forward, norm._coda_deferred = norm.forward, False
+    norm._coda_unit_offset = gemma
+    # With labels the final norm runs alone before linear_cross_entropy: HF's, or for Gemma coda's
+    # (the same rounding as HF's Gemma norm).
+    norm._coda_forward, norm._coda_deferred = types.MethodType(_norm, norm) if gemma else norm.forward, False
     norm.forward = types.MethodType(_final_norm, norm)
     model.forward = types.MethodType(_causal_lm_forward, model)
     swapped += ["model.norm+lm_head -> coda.ops.rmsnorm_linear (logits)",

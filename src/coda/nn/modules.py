@@ -46,10 +46,15 @@ class SwiGLUMLP(nn.Module):
 class LinearCrossEntropy(nn.Module):
     """An LM head (bias-free linear to the vocabulary) and cross-entropy, logits never stored."""
 
-    def __init__(self, dim: int, vocab: int, ignore_index: int = -100, reduction: str = "mean", **factory: object) -> None:
+    def __init__(self, dim: int, vocab: int, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 **factory: object) -> None:
         super().__init__()
         self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.lse_square_scale, self.softcap = label_smoothing, lse_square_scale, softcap
         self.weight = _linear_weight(vocab, dim, **factory)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ops.linear_cross_entropy(x, self.weight, target, ignore_index=self.ignore_index, reduction=self.reduction)
+        return ops.linear_cross_entropy(x, self.weight, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                                        label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+                                        softcap=self.softcap)

@@ -7,11 +7,12 @@ from .layout import interleave_gate_up, permute_rope_rows, rope_pair_permutation
 from .qknorm import qknorm_columns, qknorm_weight_grads
 from .rmsnorm import rmsnorm
 from .rmsnorm_linear import rmsnorm_linear
-from .rmsnorm_swiglu_mlp import rmsnorm_swiglu_mlp
+from .rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
 from .swiglu_mlp import swiglu_mlp
 
 __all__ = [
-    "epilogues", "fused_op", "FusedOp", "linear_cross_entropy", "rmsnorm", "rmsnorm_linear", "rmsnorm_swiglu_mlp", "swiglu_mlp",
+    "epilogues", "fused_op", "FusedOp", "linear_cross_entropy", "rmsnorm", "rmsnorm_linear", "rmsnorm_swiglu_mlp",
+    "rmsnorm_geglu_mlp", "swiglu_mlp",
     "qknorm_columns", "qknorm_weight_grads",
     "interleave_gate_up", "split_gate_up", "rope_pair_permutation", "permute_rope_rows", "unpermute_rope_rows",
 ]

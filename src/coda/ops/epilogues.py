@@ -6,8 +6,8 @@ Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference ch
 
 from __future__ import annotations
 
+import inspect
 from functools import cache
-from typing import Callable
 
 import torch
 
@@ -51,6 +51,24 @@ def swiglu_save(acc):
     """Section 2 without a norm in front: z = acc (saved), y = silu(gate) * up."""
     gate, up = pairs(acc)
     return {"z": acc, "y": silu(gate) * up}
+
+
+# F.gelu(approximate="tanh")'s constants: sqrt(2 / pi) and the cubic term's coefficient.
+_GELU_K, _GELU_C = 0.7978845608028654, 0.044715
+
+
+def _gelu_sigmoid(x):
+    """s = sigmoid(2u), u = K (x + C x^3) (section 2a): 0.5 (1 + tanh u) = s, so gelu_tanh(x) = x s,
+    and 1 - tanh^2 u = 4 s (1 - s) gives its derivative. The sigmoid SwiGLU uses, no tanh (coda.gelu
+    is the erf GELU)."""
+    return sigmoid(2.0 * _GELU_K * (x + _GELU_C * x * x * x))
+
+
+@epilogue
+def geglu_save(acc):
+    """Section 2a (Gemma's MLP): z = acc (saved), y = gelu_tanh(gate) * up over interleaved pairs."""
+    gate, up = pairs(acc)
+    return {"z": acc, "y": gate * _gelu_sigmoid(gate) * up}
 
 
 def _rotate(x, pos, freq):
@@ -138,27 +156,42 @@ def lm_head_stats(acc, target: VecM):
     }
 
 
-def lm_head(dtype: torch.dtype) -> Epilogue:
+def lm_head(dtype: torch.dtype, *, softcap: bool = False, smoothing: bool = False) -> Epilogue:
     """Section 4 forward as linear_cross_entropy runs it without gradients: lm_head_stats over
     the logits rounded to `dtype`, as F.linear would store them, so that the statistics match
-    the unfused op's."""
-    return _LM_HEAD[dtype]
-
-
-def _lm_head_epilogue(rounding: Callable | None, name: str) -> Epilogue:
-    def fn(acc, target: VecM):
-        logits = acc if rounding is None else rounding(acc)
-        return {
-            "lse": reduce_n(logits, "logsumexp"),
-            "target_logit": reduce_n(where(col_index() == target, logits, 0.0), "sum"),
-        }
-
-    fn.__name__ = name
-    return epilogue(fn)
+    the unfused op's. With `softcap` the statistics are of z = softcap * tanh(l / softcap) (a
+    Scalar operand); with `smoothing` "target_logit" is sum_j q_j z_j for the smoothed target
+    q = on_target at the target and off_target elsewhere (Scalar operands). Each option set is
+    its own epilogue, so the plain one does no more work than before."""
+    return _lm_head_epilogue(dtype, softcap, smoothing)
 
 
 _ROUNDING = {torch.bfloat16: ("bf16", round_bf16), torch.float16: ("fp16", round_fp16), torch.float32: ("fp32", None)}
-_LM_HEAD = {dtype: _lm_head_epilogue(rounding, f"lm_head_stats_{tag}") for dtype, (tag, rounding) in _ROUNDING.items()}
+
+
+@cache
+def _lm_head_epilogue(dtype: torch.dtype, capped: bool, smoothed: bool) -> Epilogue:
+    tag, rounding = _ROUNDING[dtype]
+
+    def fn(acc, target, **scalars):
+        z = acc if rounding is None else rounding(acc)
+        if capped:
+            # c * tanh(l / c) as 2c * sigmoid(2l / c) - c: the same to a few ulps of c, and on
+            # sm_90 (gluon-hopper, test_aot_gluon) a quarter of the tanh form's register spills.
+            c = scalars["softcap"]
+            z = (2.0 * c) * sigmoid(z * (2.0 / c)) - c
+        hit = col_index() == target
+        picked = where(hit, scalars["on_target"], scalars["off_target"]) * z if smoothed else where(hit, z, 0.0)
+        return {"lse": reduce_n(z, "logsumexp"), "target_logit": reduce_n(picked, "sum")}
+
+    # The operands each option set declares (the options' Scalars by keyword).
+    scalars = ["softcap"] * capped + ["on_target", "off_target"] * smoothed
+    fn.__signature__ = inspect.Signature(
+        [inspect.Parameter("acc", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("target", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=VecM)]
+        + [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=Scalar) for n in scalars])
+    fn.__name__ = f"lm_head_stats_{tag}" + "_softcap" * capped + "_smooth" * smoothed
+    return epilogue(fn)
 
 
 @epilogue
@@ -233,3 +266,16 @@ def swiglu_backward_zdz(acc, z: Tile(width=2)):
     that norm's backward row term (section 5)."""
     gate, up, s, dgate, dup = _swiglu_grads(acc, z)
     return {"dz": interleave(dgate, dup), "y": gate * s * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}
+
+
+@epilogue
+def geglu_backward_zdz(acc, z: Tile(width=2)):
+    """Section 2a, backward, with an RMSNorm in front of the MLP: acc = d = dY @ W_down, dgate =
+    d * up * gelu_tanh'(gate), dup = d * gelu_tanh(gate); y recomputed for dW_down; zdz = z . dz,
+    that norm's row term (section 5)."""
+    gate, up = pairs(z)
+    s = _gelu_sigmoid(gate)
+    g = gate * s
+    dgate = acc * up * (s + 2.0 * _GELU_K * g * (1.0 - s) * (1.0 + 3.0 * _GELU_C * gate * gate))
+    dup = acc * g
+    return {"dz": interleave(dgate, dup), "y": g * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}

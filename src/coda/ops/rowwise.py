@@ -9,7 +9,7 @@ need a statistic of a whole row first). One program per row and the row in one b
 * `rms_backward`: a standalone RMSNorm's whole backward, dx per row and dg partials per program
   (its dy comes from a GEMM coda does not run, so no epilogue can reduce for it);
 * `cross_entropy_`: per-row logsumexp and target logit of stored logits, which it turns into
-  (softmax - onehot) * scale in place;
+  (softmax - onehot) * scale in place (with softcap, label smoothing and z-loss as options);
 * `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row.
 """
 
@@ -24,7 +24,7 @@ import triton.language as tl
 from ..runtime import interpreting
 from ..runtime.device import num_programs
 from ..runtime.validate import check_kernel_device
-from ..templates.jit_helpers import _bf16_rne, _trig
+from ..templates.jit_helpers import _bf16_rne, _sigmoid, _trig
 
 
 @triton.jit
@@ -91,38 +91,73 @@ def _rms_backward_kernel(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, D, S
 
 
 @triton.jit
-def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, stride_l,
-                          BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+def _capped(x, softcap):
+    # (z, s) with z = c * tanh(x / c) = 2c * s - c for s = sigmoid(2x / c), as the LM-head epilogue
+    # computes it (fewer instructions than tanh); dz/dx = 1 - tanh^2 = 4 s (1 - s).
+    s = _sigmoid(x * (2.0 / softcap))
+    return (2.0 * softcap) * s - softcap, s
+
+
+@triton.jit
+def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, stride_l, softcap, on_target,
+                          off_target, z_factor, BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr,
+                          CAP: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr):
     # Pass 1: logsumexp by the online rule (running max m, sum s of exp(x - m)); pass 2 reads
-    # the row again (from L2 when it is still there) and writes the gradient over it.
+    # the row again (from L2 when it is still there) and writes the gradient over it. The
+    # options are constexpr: a call without them compiles to the plain kernel. CAP: the
+    # logits are z = softcap * tanh(l / softcap); SMOOTH: the target is q = on_target at the
+    # target class and off_target elsewhere; ZLOSS: the loss adds c * lse^2 (z_factor = 2c).
     row = tl.program_id(0).to(tl.int64)
     base = l_ptr + row * stride_l
+    target = tl.load(target_ptr + row)
     # The sum is kept relative to a shift: the running max, or 0 while that is +-inf (as
     # torch.logsumexp does), since inf - inf would make a row holding +-inf NaN.
     m = tl.full((), float("-inf"), tl.float32)
     shift = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
+    qz = tl.zeros((), tl.float32)  # SMOOTH: sum_j q_j z_j
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if CAP:
+            x = tl.where(cols < V, _capped(x, softcap)[0], float("-inf"))
+        if SMOOTH:
+            qz += tl.sum(tl.where(cols < V, tl.where(cols == target, on_target, off_target) * x, 0.0), axis=0)
         m = tl.maximum(m, tl.max(x, axis=0))
         shift_new = tl.where(tl.abs(m) == float("inf"), 0.0, m)
         # The shift falls only from -inf (s is 0) or to +inf (s becomes inf): no rescale then.
         s = s * tl.exp(tl.minimum(shift - shift_new, 0.0)) + tl.sum(tl.exp(x - shift_new), axis=0)
         shift = shift_new
     lse = shift + tl.log(s)
-    target = tl.load(target_ptr + row)
-    hit = (target >= 0) & (target < V)
-    tlogit = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0).to(tl.float32)
+    if SMOOTH:
+        tlogit = qz
+    else:
+        hit = (target >= 0) & (target < V)
+        tlogit = tl.load(base + tl.where(hit, target, 0), mask=hit, other=0.0).to(tl.float32)
+        if CAP:
+            tlogit = _capped(tlogit, softcap)[0]
     tl.store(lse_ptr + row, lse)
     tl.store(tlogit_ptr + row, tlogit)
     scale = tl.load(scale_ptr + row)
+    if ZLOSS:
+        p_scale = 1.0 + z_factor * lse  # d(c lse^2)/dz = 2c lse softmax
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-        tl.store(base + cols, _cast(grad, OUT, RNE), mask=mask)
+        if CAP:
+            x, sig = _capped(x, softcap)
+        if SMOOTH:
+            q = tl.where(cols == target, on_target, off_target)
+        else:
+            q = tl.where(cols == target, 1.0, 0.0)
+        if ZLOSS:
+            grad = tl.exp(x - lse) * p_scale - q
+        else:
+            grad = tl.exp(x - lse) - q
+        if CAP:
+            grad = grad * (4.0 * sig * (1.0 - sig))  # dz/dl
+        tl.store(base + cols, _cast(grad * scale, OUT, RNE), mask=mask)
 
 
 @triton.jit
@@ -260,10 +295,17 @@ def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, r
     return dx, partial.sum(0)
 
 
-def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of stored logits: (lse, target logit) in fp32 (target logit 0 where the target
-    is out of range, e.g. ignore_index), and logits <- (softmax(logits) - onehot(target)) * scale
-    in place, the cross-entropy gradient per unit loss. Two reads and one write of the logits."""
+def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *, softcap: float | None = None,
+                   smoothing: tuple[float, float] | None = None,
+                   lse_square_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of stored logits l: (lse, target logit) in fp32 (without smoothing, target logit 0
+    where the target is out of range, e.g. ignore_index), and l <- (softmax(l) - onehot(target))
+    * scale in place, the cross-entropy gradient per unit loss. Two reads and one write of the logits.
+
+    The options (docs/ALGEBRA.md 4), each compiled in only when given: `softcap` c makes the
+    logits z = c * tanh(l / c), with the gradient times dz/dl = 1 - tanh^2; `smoothing`
+    (on_target, off_target) replaces onehot by the smoothed target q and the target logit by
+    sum_j q_j z_j; `lse_square_scale` c' (z-loss c' * lse^2) multiplies softmax by 1 + 2 c' lse."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("cross_entropy_: logits must be 2-D with contiguous rows")
     check_kernel_device("cross_entropy_: logits", logits, interpreting())
@@ -273,10 +315,12 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
     target, scale = _vector(target, m, "cross_entropy_: target"), _vector(scale, m, "cross_entropy_: scale")
     lse = torch.empty(m, device=logits.device, dtype=torch.float32)
     tlogit = torch.empty_like(lse)
+    on_target, off_target = smoothing or (1.0, 0.0)
     if m:
-        _cross_entropy_kernel[(m,)](logits, target, scale, lse, tlogit, v, logits.stride(0),
-                                    BLOCK=min(4096, triton.next_power_of_2(v)), num_warps=8,
-                                    **_out_args(logits.dtype))
+        _cross_entropy_kernel[(m,)](logits, target, scale, lse, tlogit, v, logits.stride(0), softcap or 1.0, on_target,
+                                    off_target, 2.0 * lse_square_scale, BLOCK=min(4096, triton.next_power_of_2(v)),
+                                    num_warps=8, CAP=softcap is not None, SMOOTH=smoothing is not None,
+                                    ZLOSS=lse_square_scale != 0.0, **_out_args(logits.dtype))
     return lse, tlogit
 
 

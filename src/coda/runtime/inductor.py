@@ -9,7 +9,7 @@ them skips the message: Inductor then calls them as the implicit fallback would 
 layout constraint their tags (or the custom-op default) ask for.
 
 Registering imports Inductor's lowering module, which takes seconds: 3.0 s on the 2-core CPU
-machine, where `import coda` as torch 2.11 (`bench/import_time.py --as-torch 2.11.0`) took
+machine, where `import coda` as torch 2.11 (`bench/tools/import_time.py --as-torch 2.11.0`) took
 4.4-5.3 s registering each op as it was defined and 0.4-0.9 s deferring, six runs each (on the
 H200's torch 2.11, registering as defined, it took 1.9 s; deferring, 0.83-0.96 s). So an op
 defined before that module is loaded waits in `_pending`, and the first call of any coda fake

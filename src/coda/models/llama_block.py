@@ -6,11 +6,12 @@ The segment runs from after layer l's attention to layer l+1's QKV projection:
     x2 = x1 + (silu(h Wg.T) * (h Wu.T)) @ Wdown.T;  n = rms_norm(x2, g_attn)
     qkv = rope(n Wq.T), rope(n Wk.T), n Wv.T
 
-as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (a row pass) + 2
-RMSNorm-backward GEMMs (each adding into the residual gradient) + the SwiGLU-backward GEMM
-+ plain GEMMs backward. Attention stays outside. The qkv output keeps q and k in the
-pair-adjacent order of coda.ops.permute_rope_rows: attention scores are invariant to a
-permutation of head dimensions applied to both q and k, and v is unpermuted.
+as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (a row pass; with QK-norm the
+recomputed QKV GEMM: qkv_projection.py) + 2 RMSNorm-backward GEMMs (each adding into the
+residual gradient) + the SwiGLU-backward GEMM + plain GEMMs backward. Attention stays outside.
+The qkv output keeps q and k in the pair-adjacent order of coda.ops.permute_rope_rows: attention
+scores are invariant to a permutation of head dimensions applied to both q and k, and v is
+unpermuted.
 
 The kernels take the weights in coda's layouts (NativeBlockWeights: gate/up rows interleaved,
 q and k rows pair-permuted and fused with v). Standard-layout weights (BlockWeights) are

@@ -46,6 +46,14 @@ PATCH_CASES = {
     # than the sequence on the sliding layers, their own RoPE base, query_pre_attn_scalar
     "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
                         layer_types=["sliding_attention", "full_attention"]),
+    # fused gate_up_proj (coda's MLP on its row views) and qkv_proj; HF's attention: a window shorter
+    # than the sequence, longrope past original_max_position_embeddings on half of each head (the
+    # fraction spelled at the top level too, as Phi-4-mini's config does); the default pad id is past VOCAB
+    "phi3": dict(sliding_window=4, original_max_position_embeddings=4, partial_rotary_factor=0.5, pad_token_id=0,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.5,
+                                      short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])),
+    # norms on the attention and MLP outputs; HF's attention: whole-width q/k norms, q/k/v/o biases
+    "olmo2": dict(attention_bias=True, tie_word_embeddings=True),
 }
 
 
@@ -182,13 +190,17 @@ def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, f
     ("gemma3_text", dict(hidden_activation="gelu"), "hidden_activation"),  # erf GELU: not GeGLU's tanh
     ("gemma3_text", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),  # before the loss
     ("gemma3_text", dict(some_future_field=1), "some_future_field"),
+    ("phi3", dict(hidden_act="gelu"), "hidden_act"),
+    ("phi3", dict(some_future_field=1), "some_future_field"),
+    ("olmo2", dict(hidden_act="gelu"), "hidden_act"),
+    ("olmo2", dict(some_future_field=1), "some_future_field"),
 ])
 def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: dict, field: str) -> None:
     with pytest.raises(TypeError, match=rf"{model_type}: .*{field}="):
         coda.patch(Shell(CONFIGS[model_type](**SHAPE, **kw)))
 
 
-@pytest.mark.parametrize("model_type", ["granite", "gemma2", "cohere", "phi3", "olmo2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["granite", "gemma2", "cohere", "mixtral"])
 def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
     config = default_config(model_type)
     for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):
@@ -250,3 +262,57 @@ def test_from_hf_reads_every_weight() -> None:
     missing = {k: v for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"has no 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         model.load_hf_state_dict(missing)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
+    """The families with their own layer patch: every norm and MLP of a decoder layer runs coda's
+    forward (the q/k norms inside attention stay HF's), parameter names and state_dict unchanged,
+    greedy .generate() gives HF's tokens (the final norm + LM head through rmsnorm_linear)."""
+    hf = hf_model(model_type, **PATCH_CASES[model_type])
+    model = coda.patch(copy.deepcopy(hf))
+    ref = hf.state_dict()
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    assert list(model.state_dict()) == list(ref) and all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    for name, module in model.model.layers.named_modules():
+        ours = "forward" in vars(module)
+        assert ours == (name.endswith(("layernorm", "mlp"))), f"{name}: {'coda' if ours else 'HF'} forward"
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **args), hf.generate(prompt, **args))
+
+
+def test_phi3_patch_keeps_hf_dropout() -> None:
+    """Phi-3's residual and attention dropout stay HF's under coda.patch (HF's decoder layer applies
+    resid_pdrop to coda's MLP output): in training mode, with the same seed, the patched model draws
+    the same masks and gives HF's loss and gradients."""
+    hf = hf_model("phi3", **PATCH_CASES["phi3"], resid_pdrop=0.2, attention_dropout=0.2).train()
+    model = coda.patch(copy.deepcopy(hf))
+
+    def seeded(m: torch.nn.Module) -> tuple:
+        torch.manual_seed(3)
+        return run(m)
+
+    no_dropout = run(copy.deepcopy(hf).eval())[0]
+    (loss, grads), (hf_loss, theirs) = seeded(model), seeded(hf)
+    assert abs(no_dropout - hf_loss) > 1e-3  # the dropout is on
+    assert abs(loss - hf_loss) < 1e-5 * abs(hf_loss)
+    for name, g in theirs.items():
+        assert rel(grads[name], g) < 1e-5, f"{name}: relative error {rel(grads[name], g):.3g}"
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
+    """In bf16 coda's norms round once (OLMo 2's as HF's; Phi-3's HF rounds twice, as Llama's): against
+    HF in fp32 on the same bf16-rounded weights, the patched bf16 model's loss and gradients are no
+    further off than HF's own bf16 run (the bound of test_qwen2_bf16_error_is_within_hf_bf16_error)."""
+    hf32 = hf_model(model_type, **PATCH_CASES[model_type])
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = coda.patch(copy.deepcopy(hf16))
+    (ref_loss, ref), (hf_loss, hf), (loss, ours) = run(hf32), run(hf16), run(model)
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        hf_err, err = rel(hf[name], g), rel(ours[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"

@@ -121,6 +121,19 @@ _GEMMA3 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sl
            # Read when the config is built (older transformers spell the window pattern without the
            # underscore and name generate()'s cache class): no model math reads them.
            "_sliding_window_pattern": DERIVED, "sliding_window_pattern": DERIVED, "cache_implementation": DERIVED}
+# Phi-3: fused qkv_proj (inside HF's attention) and gate_up_proj ([gate; up] rows: coda.patch passes
+# the two halves as views). Its dropout stays HF's under coda.patch: the decoder layer, which patch
+# keeps, applies resid_pdrop around coda's MLP output, and HF's Phi3Model reads embd_pdrop nowhere.
+# coda's own model has no dropout.
+NO_DROPOUT = Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF}))
+_PHI3 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
+         "resid_pdrop": NO_DROPOUT, "embd_pdrop": NO_DROPOUT,
+         # RoPE, inside HF's attention: longrope's switch length, the rotated fraction of each head.
+         "original_max_position_embeddings": ANY,
+         "partial_rotary_factor": _attention_only(Rule(lambda v: v in (None, 1), "1 (RoPE over the whole head)"))}
+# OLMo 2: norms on the attention and MLP outputs (no input norms), whole-width q/k norms inside HF's
+# attention.
+_OLMO2 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS)}
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
@@ -130,6 +143,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
                            **_WINDOWS}, qk_norm=True),
     Family("gemma3_text", frozenset({PATCH}), _GEMMA3, gemma=True),
+    Family("phi3", frozenset({PATCH}), _PHI3),
+    Family("olmo2", frozenset({PATCH}), _OLMO2),
 )}
 
 

@@ -1,4 +1,5 @@
-"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 3) through coda's ops.
+"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, OLMo 2)
+through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -21,12 +22,18 @@ Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32. What stays HF'
 which coda does not rewrite), RoPE and attention, with whatever the family does there (Qwen2's q/k/v
 biases, Qwen3's and Gemma 3's QK-norm, sliding windows, Gemma's per-layer-type RoPE and attention
 scale). Which families and config fields fit: families.py.
+
+Families whose decoder layer is not Llama's have their own layer patch (_LAYER_PATCHES): Phi-3
+(Llama's layout with fused projections: the gate and up weights are row views of gate_up_proj,
+its fused q/k/v projection stays HF's) and OLMo 2 (norms on the attention and MLP outputs, no
+norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
 """
 
 from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +43,7 @@ from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.rmsnorm import rmsnorm
 from ..ops.rmsnorm_linear import rmsnorm_linear
 from ..ops.rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
+from ..ops.swiglu_mlp import swiglu_mlp
 from . import families
 
 log = logging.getLogger("coda")
@@ -70,6 +78,53 @@ def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
     return self._coda_op(x, _gain(norm), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, _eps(norm))
+
+
+def _phi3_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # gate_up_proj's rows are [gate; up] (HF chunks its output in that order). chunk's two views
+    # share one SplitBackward: autograd writes both gradients into the fused parameter with one
+    # concatenation, the only cost over separate weights.
+    norm = self._coda_norm
+    w_gate, w_up = self.gate_up_proj.weight.chunk(2)
+    return rmsnorm_swiglu_mlp(x, norm.weight, w_gate, w_up, self.down_proj.weight, norm.variance_epsilon)
+
+
+def _olmo2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def _patch_phi3_layer(i: int, layer: nn.Module) -> list[str]:
+    """Llama's layout: the input norm alone (it feeds HF's fused qkv_proj), the post-attention norm
+    inside the MLP's op."""
+    layer.input_layernorm._coda_unit_offset = False
+    layer.input_layernorm.forward = types.MethodType(_norm, layer.input_layernorm)
+    norm, mlp = layer.post_attention_layernorm, layer.mlp
+    norm.forward = types.MethodType(_passthrough, norm)
+    object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
+    mlp.forward = types.MethodType(_phi3_mlp_forward, mlp)
+    return [f"model.layers.{i}.input_layernorm -> coda.ops.rmsnorm",
+            f"model.layers.{i}.post_attention_layernorm+mlp -> coda.ops.rmsnorm_swiglu_mlp"]
+
+
+def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
+    """h = x + post_attention_layernorm(attn(x)), out = h + post_feedforward_layernorm(mlp(h)): no
+    norm feeds the MLP, and each norm needs whole rows of a GEMM output (HF's o_proj, coda's down
+    GEMM) before the residual add, so the norms run alone."""
+    swapped = []
+    for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+        norm = getattr(layer, name)
+        norm._coda_unit_offset = False
+        norm.forward = types.MethodType(_norm, norm)
+        swapped.append(f"model.layers.{i}.{name} -> coda.ops.rmsnorm")
+    layer.mlp.forward = types.MethodType(_olmo2_mlp_forward, layer.mlp)
+    return swapped + [f"model.layers.{i}.mlp -> coda.ops.swiglu_mlp"]
+
+
+# Families whose decoder layer differs from Llama's, by model_type (the rest: the loop in patch()).
+_LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
+    "phi3": _patch_phi3_layer,
+    "olmo2": _patch_olmo2_layer,
+}
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -128,6 +183,7 @@ def patch(model: nn.Module) -> nn.Module:
         raise TypeError(f"coda.patch: cannot patch {type(model).__name__}: " + "; ".join(problems))
     if getattr(model, "coda_patched", None):
         return model
+    layer_patch = _LAYER_PATCHES.get(model.config.model_type)
     gemma = families.FAMILIES[model.config.model_type].gemma
     # The norm in front of the MLP runs inside coda's fused op; the others run alone. Llama's
     # post-attention norm feeds the MLP. Gemma's normalizes the attention output before the
@@ -139,6 +195,9 @@ def patch(model: nn.Module) -> nn.Module:
         ("input_layernorm",)
     swapped = []
     for i, layer in enumerate(model.model.layers):
+        if layer_patch is not None:
+            swapped += layer_patch(i, layer)
+            continue
         for name in alone:
             norm = getattr(layer, name)
             norm._coda_unit_offset = gemma

@@ -33,6 +33,9 @@ FROM_HF_CASES = {
     "llama": dict(tie_word_embeddings=True),
     "mistral": dict(sliding_window=4),  # a window shorter than the sequence
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
+    # QK-norm (q_norm, k_norm perturbed like every norm), tied, layer 1 windowed; head_dim 16, not 128
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+                  max_window_layers=1),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -176,6 +179,7 @@ def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "rope_parameters"),
     ("llama", dict(some_future_field=1), "some_future_field"),  # unknown: refused, not ignored
+    ("qwen3", dict(attention_bias=True), "attention_bias"),  # Qwen3's also biases o_proj
 ])
 def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, field: str) -> None:
     config = CONFIGS[model_type](**SHAPE, **kw)
@@ -209,9 +213,9 @@ def test_families_computed_differently_are_refused_by_name(model_type: str) -> N
 
 
 def test_real_models_that_do_not_fit_are_refused() -> None:
-    qwen3 = hf_model("qwen3")  # QK-norm: not in coda's own model yet
-    with pytest.raises(ValueError, match="model_type 'qwen3' is not supported"):
-        coda.models.from_hf(qwen3)
+    biased = hf_model("qwen3", head_dim=16, attention_bias=True)  # q/k/v and o_proj biases
+    with pytest.raises(ValueError, match="qwen3: attention_bias=True"):
+        coda.models.from_hf(biased)
     torch.manual_seed(0)
     bare = transformers.LlamaModel(transformers.LlamaConfig(**SHAPE))
     with pytest.raises(ValueError, match="LlamaModel is not a causal LM"):

@@ -9,6 +9,8 @@ one costs. Every kernel is checked against its fp32 reference before it is timed
 
     python bench/tools/epilogue_cost.py --out DIR
     python bench/tools/epilogue_cost.py --out DIR --cases residual_norm_stats --configs "sub4 e2 b1" --ks 64,2048,8192
+    python bench/tools/epilogue_cost.py --out DIR --alone no --cases rms_qknorm_rope_hd64,qknorm_rope_backward_hd64 \
+        --configs "m64 sub2,m64 n256 sub4"
     python bench/tools/epilogue_cost.py --merge DIR/epilogue_cost.json --out bench/results/epilogue_cost --name NAME
 """
 
@@ -26,6 +28,7 @@ import torch
 
 import coda
 from coda.ops import epilogues as E
+from coda.ops.qknorm import qknorm_columns
 from coda.runtime import launch
 import harness
 from harness import NOTES, gemm_error, gemm_reference, log, rand
@@ -98,11 +101,26 @@ def _case(name: str, m: int, d: int, f: int, k: int | None = None) -> tuple:
         return (E.rms_rope, rand(m, kd), rand(q, kd, scale=kd**-0.5).T,
                 {"rstd": torch.rand(m, device=dev) + 0.5, "pos": torch.arange(m, device=dev) % 4096,
                  "freq": torch.rand(q // 2, device=dev) * 0.5})
+    if name.startswith(("rms_qknorm_rope_hd", "qknorm_rope_backward_hd")):  # QK-norm, d / hd q heads, a 4th as kv
+        hd = int(name.rpartition("hd")[2])
+        heads = max(1, d // hd)
+        kv = max(1, heads // 4)
+        n = (heads + 2 * kv) * hd  # 3 d / 2 from 4 heads on, as rms_rope's
+        norms = 1 + 0.1 * torch.randn(2, hd, device=dev)
+        qk_weight, qk_mask = qknorm_columns(norms[0], norms[1], heads, kv)
+        ops = {"rstd": torch.rand(m, device=dev) + 0.5, "qk_weight": qk_weight, "qk_mask": qk_mask, "eps": 1e-6,
+               "pos": torch.arange(m, device=dev) % 4096, "freq": torch.rand(n // 2, device=dev) * 0.5}
+        ep = E.rms_qknorm_rope(hd)
+        if name.startswith("qknorm_rope_backward"):
+            ep, ops = E.qknorm_rope_backward(hd), {**ops, "grad": rand(m, n)}
+        return ep, rand(m, kd), rand(n, kd, scale=kd**-0.5).T, ops
     raise ValueError(name)
 
 
 CASES = ["swiglu_backward_zdz", "swiglu_backward_keep_h", "swiglu_loads_only", "swiglu_stores_only", "swiglu_math_only", "plain_swiglu_shape",
-         "plain_d", "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope"]
+         "plain_d", "residual_norm_stats", "rmsnorm_backward_residual", "rms_swiglu", "rms_rope",
+         # QK-norm at head_dim 64 (128 too by name, which Triton's 64-column subtiles cannot run)
+         "rms_qknorm_rope_hd64", "qknorm_rope_backward_hd64"]
 BASE = dict(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
 CONFIGS = {
     "sub4 e2 b1": dict(subtile=4),
@@ -137,6 +155,12 @@ CONFIGS = {
     "coop sub8 st4": dict(block_n=256, subtile=8, num_stages=4, cooperative=True),
     "coop sub4": dict(block_n=256, subtile=4, num_stages=3, cooperative=True),
     "coop sub8 loop": dict(block_n=256, subtile=8, num_stages=3, cooperative=True, epilogue_loop=True),
+    # 64-row tiles, for QK-norm's head-wide groups (runtime/config.py's defaults for groups of 64+ columns)
+    "m64 sub2": dict(block_m=64, subtile=2),
+    "m64 sub1": dict(block_m=64, subtile=1),
+    "m64 n256 sub4": dict(block_m=64, block_n=256, subtile=4),
+    "m64 n256 sub2": dict(block_m=64, block_n=256, subtile=2),
+    "m64 n256 sub2 st3": dict(block_m=64, block_n=256, subtile=2, num_stages=3),
 }
 
 

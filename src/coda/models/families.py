@@ -92,6 +92,7 @@ class Family:
     entries: frozenset[str]
     fields: Mapping[str, Rule]
     qkv_bias: bool = False  # its q/k/v projections always carry biases (Qwen2), whatever the config says
+    qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
     gemma: bool = False  # Gemma 3's decoder layer: (1 + w) norms, sandwich norms, a GeGLU MLP
 
 
@@ -99,8 +100,8 @@ _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
           "attention_bias": _attention_only(NO_BIAS),
           # transformers 4.x splits the projections into `pretraining_tp` slices; coda handles none.
           "pretraining_tp": Rule(lambda v: v in (None, 1), "1")}
-# Qwen3's QK-norm lives inside HF's attention: coda.patch runs it as HF does; coda's own model does
-# not compute it yet. Sliding windows, per layer: masks.py; Qwen2's q/k/v biases: Family.qkv_bias.
+# Sliding windows, per layer: masks.py; Qwen2's q/k/v biases: Family.qkv_bias; Qwen3's QK-norm:
+# Family.qk_norm (coda.patch keeps HF's attention, which computes it).
 LAYER_TYPES = Rule(lambda v: v is None or set(v) <= {"full_attention", "sliding_attention"},
                    "'full_attention' and 'sliding_attention' layers")
 _WINDOWS = {"sliding_window": ANY,
@@ -142,8 +143,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
     Family("qwen2", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}, qkv_bias=True),
-    Family("qwen3", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU,
-                                         "attention_bias": _attention_only(NO_BIAS), **_WINDOWS}),
+    # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
+    Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
+                           **_WINDOWS}, qk_norm=True),
     Family("gemma2", frozenset({PATCH}), _GEMMA, gemma=True),  # Gemma 3's layer without QK-norm
     Family("gemma3_text", frozenset({PATCH}), _GEMMA, gemma=True),
     Family("phi3", frozenset({PATCH}), _PHI3),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,7 @@ class LlamaConfig:
     sliding_window: int | None = None  # keys within this distance (the query included), on windowed layers
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None: all windowed
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
+    qk_norm: bool = False  # each q and k head RMS-normalized (own [head_dim] weights, rms_norm_eps) before RoPE (Qwen3)
 
     @property
     def dim_per_head(self) -> int:
@@ -80,7 +82,17 @@ class LlamaConfig:
                    tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   qkv_bias=FAMILIES[config.model_type].qkv_bias)
+                   qkv_bias=FAMILIES[config.model_type].qkv_bias, qk_norm=FAMILIES[config.model_type].qk_norm)
+
+
+class AttnParams(NamedTuple):
+    """One HF layer's parameters that its QKV projection reads (None where the config has none)."""
+
+    norm: nn.Parameter
+    w_qkv: nn.Parameter
+    b_qkv: nn.Parameter | None
+    q_norm: nn.Parameter | None
+    k_norm: nn.Parameter | None
 
 
 @dataclass
@@ -115,6 +127,7 @@ class LlamaLayer(nn.Module):
         self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
         self.next_b_qkv = None if last or not c.qkv_bias else nn.Parameter(torch.zeros(_qkv_rows(c), **factory))
+        self.next_q_norm, self.next_k_norm = (None, None) if last else _qk_norms(c, **factory)
 
     def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None) -> torch.Tensor:
         c, hd = self.config, self.config.dim_per_head
@@ -146,12 +159,20 @@ class LlamaLayer(nn.Module):
                                g_attn=self.next_attn_norm, w_qkv=self.next_w_qkv, n_heads=c.num_attention_heads,
                                n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
                                rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling),
-                               b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv])
+                               b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv],
+                               qk_norm=[] if self.next_q_norm is None else [self.next_q_norm, self.next_k_norm])
         return block_segment(attn, x, pos, w)
 
 
 def _qkv_rows(c: LlamaConfig) -> int:
     return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.dim_per_head
+
+
+def _qk_norms(c: LlamaConfig, **factory: object) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """The q and k heads' norm weights ([head_dim] each, HF order) where the config has QK-norm."""
+    if not c.qk_norm:
+        return None, None
+    return tuple(nn.Parameter(torch.ones(c.dim_per_head, **factory)) for _ in range(2))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
         self.first_attn_norm = nn.Parameter(torch.ones(c.hidden_size, **factory))  # layer 0's input norm
         self.first_w_qkv = nn.Parameter(torch.empty(_qkv_rows(c), c.hidden_size, **factory))  # and QKV projection
         self.first_b_qkv = nn.Parameter(torch.zeros(_qkv_rows(c), **factory)) if c.qkv_bias else None
+        self.first_q_norm, self.first_k_norm = _qk_norms(c, **factory)
         self.layers = nn.ModuleList(LlamaLayer(c, last=i == n - 1, **factory) for i in range(n))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size,
@@ -201,13 +223,14 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     p.fill_(0.0 if name.endswith("b_qkv") else 1.0)
 
-    def _attn_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter | None]:
-        """HF layer i's input norm, fused QKV weight and bias (held by the model for i = 0, else by
-        layers[i - 1], whose segment ends with them)."""
+    def _attn_params(self, i: int) -> AttnParams:
+        """HF layer i's input norm, fused QKV weight and bias, q and k norms (held by the model for
+        i = 0, else by layers[i - 1], whose segment ends with them)."""
         if i == 0:
-            return self.first_attn_norm, self.first_w_qkv, self.first_b_qkv
+            return AttnParams(self.first_attn_norm, self.first_w_qkv, self.first_b_qkv, self.first_q_norm,
+                              self.first_k_norm)
         prev = self.layers[i - 1]
-        return prev.next_attn_norm, prev.next_w_qkv, prev.next_b_qkv
+        return AttnParams(prev.next_attn_norm, prev.next_w_qkv, prev.next_b_qkv, prev.next_q_norm, prev.next_k_norm)
 
     # -- conversion ----------------------------------------------------------------------------
 
@@ -253,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
                 used.add("lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                attn_norm, w_qkv, b_qkv = self._attn_params(i)
+                attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(i)
                 attn_norm.copy_(take(p + "input_layernorm.weight"))
                 w_qkv.copy_(torch.cat([
                     permute_rope_rows(take(p + "self_attn.q_proj.weight"), c.num_attention_heads, hd),
@@ -264,6 +287,9 @@ class LlamaForCausalLM(nn.Module):
                         permute_rope_rows(take(p + "self_attn.q_proj.bias")[:, None], c.num_attention_heads, hd),
                         permute_rope_rows(take(p + "self_attn.k_proj.bias")[:, None], c.num_key_value_heads, hd),
                         take(p + "self_attn.v_proj.bias")[:, None]])[:, 0])
+                if q_norm is not None:  # HF order (the QKV epilogue permutes them: ops.qknorm_columns)
+                    q_norm.copy_(take(p + "self_attn.q_norm.weight"))
+                    k_norm.copy_(take(p + "self_attn.k_norm.weight"))
                 layer.ffn_norm.copy_(take(p + "post_attention_layernorm.weight"))
                 layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
                 layer.w_gate_up.copy_(interleave_gate_up(take(p + "mlp.gate_proj.weight"),
@@ -295,15 +321,17 @@ class LlamaForCausalLM(nn.Module):
         sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": get(self.embed_tokens)}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn_norm, w_qkv, b_qkv = (None if t is None else get(t) for t in self._attn_params(i))
+            attn_norm, w_qkv, b_qkv, q_norm, k_norm = (None if t is None else get(t) for t in self._attn_params(i))
             gate, up = split_gate_up(get(layer.w_gate_up))
             biases = [None] * 3 if b_qkv is None else [b[:, 0] for b in split_qkv(b_qkv[:, None])]
             for proj, w, b in zip("qkv", split_qkv(w_qkv), biases):  # HF's order: a weight, then its bias
                 sd[f"{p}self_attn.{proj}_proj.weight"] = w
                 if b is not None:
                     sd[f"{p}self_attn.{proj}_proj.bias"] = b
+            sd[p + "self_attn.o_proj.weight"] = get(layer.wo)
+            if q_norm is not None:
+                sd.update({p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm})
             sd.update({
-                p + "self_attn.o_proj.weight": get(layer.wo),
                 p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                 p + "mlp.down_proj.weight": get(layer.w_down),
                 p + "input_layernorm.weight": attn_norm,
@@ -337,7 +365,8 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
         qkv = first_segment(x, pos, self.first_attn_norm, self.first_w_qkv, n_heads=c.num_attention_heads,
                             n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                            rope_scaling=c.rope_scaling, b_qkv=self.first_b_qkv)
+                            rope_scaling=c.rope_scaling, b_qkv=self.first_b_qkv,
+                            qk_norm=None if self.first_q_norm is None else (self.first_q_norm, self.first_k_norm))
         for i, layer in enumerate(self.layers):
             mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its

@@ -6,11 +6,12 @@ The segment runs from after layer l's attention to layer l+1's QKV projection:
     x2 = x1 + (silu(h Wg.T) * (h Wu.T)) @ Wdown.T;  n = rms_norm(x2, g_attn)
     qkv = rope(n Wq.T), rope(n Wk.T), n Wv.T
 
-as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (a row pass) + 2
-RMSNorm-backward GEMMs (each adding into the residual gradient) + the SwiGLU-backward GEMM
-+ plain GEMMs backward. Attention stays outside. The qkv output keeps q and k in the
-pair-adjacent order of coda.ops.permute_rope_rows: attention scores are invariant to a
-permutation of head dimensions applied to both q and k, and v is unpermuted.
+as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (a row pass; with QK-norm the
+recomputed QKV GEMM: qkv_projection.py) + 2 RMSNorm-backward GEMMs (each adding into the
+residual gradient) + the SwiGLU-backward GEMM + plain GEMMs backward. Attention stays outside.
+The qkv output keeps q and k in the pair-adjacent order of coda.ops.permute_rope_rows: attention
+scores are invariant to a permutation of head dimensions applied to both q and k, and v is
+unpermuted.
 
 The kernels take the weights in coda's layouts (NativeBlockWeights: gate/up rows interleaved,
 q and k rows pair-permuted and fused with v). Standard-layout weights (BlockWeights) are
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 from ..ops import epilogues as E
 from ..ops.custom import FusedOp, fused_op
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
-from ..ops.rowwise import rope_backward
 from ..runtime import gemm
+from .qkv_projection import qkv_backward, qkv_forward, saved_for_backward
 
 
 @dataclass
@@ -89,6 +90,8 @@ class NativeBlockWeights:
     rope_scaling: list[float] | None = None  # as in BlockWeights
     # The q/k/v biases (Qwen2), [(H + 2 KV) hd] permuted like w_qkv's rows: one tensor, or none.
     b_qkv: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # QK-norm (Qwen3): the q and k heads' RMSNorm weights, [hd] each in HF order: both, or none.
+    qk_norm: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         rows, heads = self.w_qkv.shape[0], self.n_heads + 2 * self.n_kv_heads
@@ -99,6 +102,9 @@ class NativeBlockWeights:
         if len(self.b_qkv) > 1 or any(b.shape != (rows,) for b in self.b_qkv):
             raise ValueError(f"NativeBlockWeights: b_qkv must be [] or one [{rows}] tensor, got "
                              f"{[list(b.shape) for b in self.b_qkv]}")
+        if len(self.qk_norm) not in (0, 2) or any(t.shape != (rows // heads,) for t in self.qk_norm):
+            raise ValueError(f"NativeBlockWeights: qk_norm must be [] or two [{rows // heads}] tensors (q, k), got "
+                             f"{[list(t.shape) for t in self.qk_norm]}")
         if self.w_gate_up.dim() != 2 or self.w_gate_up.shape[0] != 2 * self.w_down.shape[1]:
             raise ValueError(f"NativeBlockWeights: w_gate_up {list(self.w_gate_up.shape)} must be [2F, D] for "
                              f"w_down {list(self.w_down.shape)} = [D, F]")
@@ -123,13 +129,14 @@ class NativeBlockWeights:
         """The same values as fresh autograd leaves: what a model storing this layout holds as parameters."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         leaves = {name: t.detach().requires_grad_() for name, t in values.items() if isinstance(t, torch.Tensor)}
-        return dataclasses.replace(self, **leaves, b_qkv=[b.detach().requires_grad_() for b in self.b_qkv])
+        return dataclasses.replace(self, **leaves, b_qkv=[b.detach().requires_grad_() for b in self.b_qkv],
+                                   qk_norm=[t.detach().requires_grad_() for t in self.qk_norm])
 
     def to_standard(self) -> BlockWeights:
         """The inverse layouts (also turns gradients of native weights into standard ones).
-        BlockWeights has no biases: weights with b_qkv are refused rather than dropped."""
-        if self.b_qkv:
-            raise ValueError("NativeBlockWeights.to_standard: BlockWeights has no q/k/v biases")
+        BlockWeights has no biases or QK-norm: weights with either are refused rather than dropped."""
+        if self.b_qkv or self.qk_norm:
+            raise ValueError("NativeBlockWeights.to_standard: BlockWeights has no q/k/v biases or QK-norm weights")
         hd, nq, nk = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         w_gate, w_up = split_gate_up(self.w_gate_up)
         return BlockWeights(self.wo, self.g_ffn, w_gate.contiguous(), w_up.contiguous(), self.w_down, self.g_attn,
@@ -182,7 +189,7 @@ def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, sc
 # -- the ops: one pair per weight layout, the weights as named arguments -----------------------
 
 def _tensor_fields(cls: type) -> tuple[str, ...]:
-    """The fields that get gradients: tensors and lists of tensors (b_qkv)."""
+    """The fields that get gradients: tensors and lists of tensors (b_qkv, qk_norm)."""
     hints = typing.get_type_hints(cls)
     return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] in (torch.Tensor, list[torch.Tensor]))
 
@@ -208,20 +215,19 @@ def _prototype(name: str, cls: type, lead: tuple[str, ...], returns: object, bod
     return fn
 
 
-_SAVED = ("attn_out", "pos", "x1", "rstd1", "z1", "x2", "rstd2", "qkv")
+# qkv_saved: what the QKV backward reads (qkv_projection.saved_for_backward: qkv, or h2 with QK-norm).
+_SAVED = ("attn_out", "pos", "x1", "rstd1", "z1", "x2", "rstd2", "qkv_saved")
 _FWD_LEAD, _BWD_LEAD = ("attn_out", "x0", "pos"), ("d_x2", "d_qkv") + _SAVED
-_SIX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_SEVEN = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _forward(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]:
-    """(x2, qkv) and what backward keeps: x1, rstd1, z1, rstd2."""
+    """(x2, qkv) and what backward may keep: x1, rstd1, z1, rstd2, h2 (the QKV GEMM's input)."""
     x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(t["attn_out"], t["x0"], w.wo, w.g_ffn, w.w_gate_up, w.w_down,
                                                     w.g_attn, w.eps)
-    if w.b_qkv:
-        qkv = gemm(h2, w.w_qkv.T, E.rms_rope_bias, rstd=rstd2, bias=w.b_qkv[0], pos=t["pos"], freq=_rope_freq(w))
-    else:
-        qkv = gemm(h2, w.w_qkv.T, E.rms_rope, rstd=rstd2, pos=t["pos"], freq=_rope_freq(w))
-    return x2, qkv, x1, rstd1, z1, rstd2
+    qkv = qkv_forward(h2, rstd2, t["pos"], _rope_freq(w), w.w_qkv, w.b_qkv, w.qk_norm, w.n_heads, w.n_kv_heads,
+                      w.eps)
+    return x2, qkv, x1, rstd1, z1, rstd2, h2
 
 
 def ffn_attn_forward(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor,
@@ -243,18 +249,16 @@ def _forward_fake(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor,
     rows = t["x0"].new_empty(m, dtype=torch.float32)
     like = t["attn_out"]  # every GEMM output takes the dtype of the chain's first operand
     return (like.new_empty(m, d), like.new_empty(m, w.w_qkv.shape[0]), like.new_empty(m, d), rows,
-            like.new_empty(m, w.w_gate_up.shape[0]), torch.empty_like(rows))
+            like.new_empty(m, w.w_gate_up.shape[0]), torch.empty_like(rows), like.new_empty(m, d))
 
 
 def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     """Gradients for attn_out, x0 and the weights, in the order and layouts they came in."""
     d_x2, x2 = t["d_x2"], t["x2"]
     d = x2.shape[-1]
-    w_qkv, freq = w.w_qkv, _rope_freq(w)
-    # RoPE backward: rotate by -theta (a row pass); the rotation keeps dot products, so
-    # zdz = sum(z * dz) = sum(qkv * d_qkv).
-    dz2, zdz2 = rope_backward(t["d_qkv"], t["qkv"], t["pos"], freq)
-    zdz2, d_b = qkv_bias_backward(dz2, zdz2, w.b_qkv)
+    w_qkv = w.w_qkv
+    dz2, zdz2, d_attn_params = qkv_backward(t["d_qkv"], t["qkv_saved"], t["rstd2"], t["pos"], _rope_freq(w), w_qkv,
+                                            w.b_qkv, w.qk_norm, w.n_heads, w.n_kv_heads, w.eps)
     # The residual gradient: each RMSNorm-backward GEMM adds its input gradient to it, into a
     # fresh tensor: on the H200 0.748 ms against 0.835 in place (a550342:bench/results/profile_ops.md).
     n2 = gemm(dz2, w_qkv, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(d_x2)}, grad=d_x2, x=x2,
@@ -265,19 +269,9 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     d_w = NativeBlockWeights(wo=d_wo, g_ffn=dg_ffn, w_gate_up=d_wgu, w_down=d_wdown,
                              g_attn=n2["dg"].to(w.g_attn.dtype), w_qkv=d_wqkv, n_heads=w.n_heads,
                              n_kv_heads=w.n_kv_heads)
-    return [d_attn, grad, *(d_w if isinstance(given, NativeBlockWeights) else d_w.to_standard()).tensors(), *d_b]
-
-
-def qkv_bias_backward(dz: torch.Tensor, zdz: torch.Tensor,
-                      b_qkv: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """With q/k/v biases, the QKV projection's output z = n W^T + b: the bias gradient is the sum
-    of dz (after RoPE backward) over rows, and the input norm's row term <n, dn> = <z - b, dz> loses
-    <b, dz> from rope_backward's <z, dz>. (zdz corrected, [d_b] or []). Both are torch row
-    reductions over dz for now, a pass the RoPE-backward kernel could fold in."""
-    if not b_qkv:
-        return zdz, []
-    b = b_qkv[0]
-    return zdz - dz.float() @ b.float(), [dz.float().sum(0).to(b.dtype)]
+    # b_qkv's or qk_norm's gradients last: the order of the fields (at most one of them is set)
+    return [d_attn, grad, *(d_w if isinstance(given, NativeBlockWeights) else d_w.to_standard()).tensors(),
+            *d_attn_params]
 
 
 def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor,
@@ -299,12 +293,19 @@ def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tens
 
 def _backward_fake(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
     return [torch.empty_like(t["attn_out"]), torch.empty_like(t["d_x2"]), *(torch.empty_like(x) for x in given.tensors()),
-            *(torch.empty_like(b) for b in w.b_qkv)]
+            *(torch.empty_like(b) for b in (*w.b_qkv, *w.qk_norm))]
 
 
-def _save(attn_out, x0, pos, *weights_and_config, out):
-    x2, qkv, x1, rstd1, z1, rstd2 = out
-    return (attn_out, pos, x1, rstd1, z1, x2, rstd2, qkv, *weights_and_config)
+def _saver(cls: type) -> Callable:
+    """The op's save function: _SAVED, then the weights and config as given."""
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    def save(attn_out, x0, pos, *weights_and_config, out):
+        x2, qkv, x1, rstd1, z1, rstd2, h2 = out
+        qk_norm = dict(zip(names, weights_and_config)).get("qk_norm", [])
+        return (attn_out, pos, x1, rstd1, z1, x2, rstd2, saved_for_backward(h2, qkv, qk_norm), *weights_and_config)
+
+    return save
 
 
 def _segment_op(cls: type) -> FusedOp:
@@ -312,9 +313,9 @@ def _segment_op(cls: type) -> FusedOp:
     name = "block_segment" if cls is NativeBlockWeights else "block_segment_standard"
     return fused_op(
         f"coda::{name}",
-        forward=_prototype(f"{name}_fwd", cls, _FWD_LEAD, _SIX, _forward),
-        fake=_prototype(f"{name}_fwd_fake", cls, _FWD_LEAD, _SIX, _forward_fake),
-        save=_save,
+        forward=_prototype(f"{name}_fwd", cls, _FWD_LEAD, _SEVEN, _forward),
+        fake=_prototype(f"{name}_fwd_fake", cls, _FWD_LEAD, _SEVEN, _forward_fake),
+        save=_saver(cls),
         backward=_prototype(f"{name}_bwd", cls, _BWD_LEAD, list[torch.Tensor], _backward),
         backward_fake=_prototype(f"{name}_bwd_fake", cls, _BWD_LEAD, list[torch.Tensor], _backward_fake),
         grads=("attn_out", "x0", *_tensor_fields(cls)), outputs=2)

@@ -2,8 +2,9 @@
 
 * `first_segment`: from the embedding to layer 0's QKV projection. Nothing upstream can give the
   first norm its statistics, so one row pass (`rms_prep`) takes rstd and h = x * rstd * g, then the fused
-  QKV GEMM applies RoPE. Backward: RoPE backward (a row
-  pass that also gives the norm's row term zdz), the RMSNorm-backward GEMM, the weight GEMM.
+  QKV GEMM applies RoPE (and the bias or the QK-norm: qkv_projection.py). Backward: RoPE backward (a
+  row pass that also gives the norm's row term zdz; with QK-norm the recomputed QKV GEMM), the
+  RMSNorm-backward GEMM, the weight GEMM.
 * `last_segment`: from after the last attention to the final norm's output: the block's first three
   fused GEMMs with the final norm's weight in the third, then the row scale. The LM head and the
   loss follow in `coda.ops.linear_cross_entropy`. Backward: the final norm's backward (elementwise
@@ -18,9 +19,10 @@ import torch
 
 from ..ops import epilogues as E
 from ..ops.custom import fused_op
-from ..ops.rowwise import rms_prep, rope_backward
+from ..ops.rowwise import rms_prep
 from ..runtime import gemm
-from .llama_block import ffn_attn_backward, ffn_attn_forward, qkv_bias_backward, rope_freq_table
+from .llama_block import ffn_attn_backward, ffn_attn_forward, rope_freq_table
+from .qkv_projection import qkv_backward, qkv_forward, saved_for_backward
 
 
 def _freq(w_qkv: torch.Tensor, n_heads: int, n_kv_heads: int, rope_base: float, rope_scaling) -> torch.Tensor:
@@ -31,48 +33,54 @@ def _freq(w_qkv: torch.Tensor, n_heads: int, n_kv_heads: int, rope_base: float, 
 # -- first: x -> qkv = rope(rms_norm(x, g) @ w_qkv.T) -------------------------------------------
 
 def _first_fwd(x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor, w_qkv: torch.Tensor, b_qkv: list[torch.Tensor],
-               n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
-               rope_scaling: Optional[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+               qk_norm: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
+               rope_scaling: Optional[list[float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, rstd = rms_prep(x, g_attn, eps)  # h = F.rms_norm(x, g): rstd is applied already
     freq = _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling)
-    if b_qkv:
-        return gemm(h, w_qkv.T, E.rope_bias, bias=b_qkv[0], pos=pos, freq=freq), rstd
-    return gemm(h, w_qkv.T, E.rope, pos=pos, freq=freq), rstd
+    return qkv_forward(h, None, pos, freq, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps), rstd, h
 
 
-def _first_fake(x, pos, g_attn, w_qkv, b_qkv, n_heads, n_kv_heads, eps, rope_base, rope_scaling):
-    return x.new_empty(x.shape[0], w_qkv.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
+def _first_fake(x, pos, g_attn, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps, rope_base, rope_scaling):
+    return x.new_empty(x.shape[0], w_qkv.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32), torch.empty_like(x)
 
 
-def _first_save(x, pos, g_attn, w_qkv, b_qkv, n_heads, n_kv_heads, eps, rope_base, rope_scaling, *, out):
-    return x, pos, g_attn, w_qkv, b_qkv, out[1], out[0], n_heads, n_kv_heads, rope_base, rope_scaling
+def _first_save(x, pos, g_attn, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps, rope_base, rope_scaling, *, out):
+    qkv, rstd, h = out
+    return (x, pos, g_attn, w_qkv, b_qkv, qk_norm, rstd, saved_for_backward(h, qkv, qk_norm), n_heads, n_kv_heads,
+            eps, rope_base, rope_scaling)
 
 
 def _first_bwd(d_qkv: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor, w_qkv: torch.Tensor,
-               b_qkv: list[torch.Tensor], rstd: torch.Tensor, qkv: torch.Tensor, n_heads: int, n_kv_heads: int,
-               rope_base: float, rope_scaling: Optional[list[float]]) -> list[torch.Tensor]:
-    dz, zdz = rope_backward(d_qkv.contiguous(), qkv, pos, _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling))
-    zdz, d_b = qkv_bias_backward(dz, zdz, b_qkv)
+               b_qkv: list[torch.Tensor], qk_norm: list[torch.Tensor], rstd: torch.Tensor, qkv_saved: torch.Tensor,
+               n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
+               rope_scaling: Optional[list[float]]) -> list[torch.Tensor]:
+    freq = _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling)
+    dz, zdz, d_attn_params = qkv_backward(d_qkv, qkv_saved, None, pos, freq, w_qkv, b_qkv, qk_norm, n_heads,
+                                          n_kv_heads, eps)
     n = gemm(dz, w_qkv, E.rmsnorm_backward, x=x, norm_weight=g_attn, rstd=rstd, zdz_over_d=zdz / x.shape[-1])
-    return [n["dx"], n["dg"].to(g_attn.dtype), gemm(dz.T, n["normed"]), *d_b]
+    return [n["dx"], n["dg"].to(g_attn.dtype), gemm(dz.T, n["normed"]), *d_attn_params]
 
 
-def _first_bwd_fake(d_qkv, x, pos, g_attn, w_qkv, b_qkv, rstd, qkv, n_heads, n_kv_heads, rope_base, rope_scaling):
-    return [torch.empty_like(t) for t in (x, g_attn, w_qkv, *b_qkv)]
+def _first_bwd_fake(d_qkv, x, pos, g_attn, w_qkv, b_qkv, qk_norm, rstd, qkv_saved, n_heads, n_kv_heads, eps,
+                    rope_base, rope_scaling):
+    return [torch.empty_like(t) for t in (x, g_attn, w_qkv, *b_qkv, *qk_norm)]
 
 
 _first = fused_op("coda::first_segment", forward=_first_fwd, fake=_first_fake, save=_first_save, backward=_first_bwd,
-                  backward_fake=_first_bwd_fake, grads=("x", "g_attn", "w_qkv", "b_qkv"))
+                  backward_fake=_first_bwd_fake, grads=("x", "g_attn", "w_qkv", "b_qkv", "qk_norm"))
 
 
 def first_segment(x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor, w_qkv: torch.Tensor, *, n_heads: int,
                   n_kv_heads: int, eps: float, rope_base: float, rope_scaling: list[float] | None = None,
-                  b_qkv: torch.Tensor | None = None) -> torch.Tensor:
+                  b_qkv: torch.Tensor | None = None,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """qkv = rope(rms_norm(x, g_attn) @ w_qkv.T + b_qkv) for the fused, pair-permuted w_qkv (and
-    b_qkv, permuted alike) of NativeBlockWeights; x: [M, D], pos: [M] integer positions.
-    Differentiable in x, g_attn, w_qkv, b_qkv."""
-    return _first(x, pos, g_attn, w_qkv, [] if b_qkv is None else [b_qkv], n_heads, n_kv_heads, float(eps),
-                  float(rope_base), None if rope_scaling is None else [float(v) for v in rope_scaling])
+    b_qkv, permuted alike) of NativeBlockWeights; with qk_norm (the q and k norm weights, [head_dim]
+    each in HF order) each q and k head is RMS-normalized (eps) before RoPE. x: [M, D], pos: [M]
+    integer positions. Differentiable in x, g_attn, w_qkv, b_qkv, qk_norm."""
+    return _first(x, pos, g_attn, w_qkv, [] if b_qkv is None else [b_qkv], [] if qk_norm is None else list(qk_norm),
+                  n_heads, n_kv_heads, float(eps), float(rope_base),
+                  None if rope_scaling is None else [float(v) for v in rope_scaling])
 
 
 # -- last: (attn_out, x0) -> rms_norm(x2, g_final) ----------------------------------------------

@@ -274,7 +274,7 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
     The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
     spills in sm_90 compiles of the block's epilogues), 16 where that is what lets every Tile
     operand and tile output move through TMA beside the ring; none for reductions alone.
-    Wider reduction groups take wider subtiles (and 64-row tiles past 128 columns).
+    Wider reduction groups take wider subtiles (and 64-row tiles from 64-column groups on).
     Epilogues that read or write width-2 tiles (the SwiGLU backward) run as one loop over the
     subtiles: the H200 measured 2.18x -> 1.36x cuBLAS for it at D=2048, where rms_rope and the
     RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md).
@@ -295,10 +295,16 @@ def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config
         # partials, and nothing is staged
         return Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
     fallback = None
-    for subtile in (4, 8, 2, 1):  # 2 and 1: groups too wide for 4 subtiles of a 64x256 tile
+    # Groups of 64 columns or more (QK-norm's heads) take 64-row tiles of two subtiles of one group
+    # each, else one: in sm_90 compiles the head_dim 64 QK-norm epilogues (forward; backward) spill
+    # nothing at 64x128, 92 and 228 bytes at 64x256 in 4 subtiles, 48 and 2284 at 128x128 in 2; the
+    # head_dim 128 backward 652 at 64x128 in 1, 2996 at 64x256 in 2 (3 stages: 4 do not fit).
+    # Narrower groups: 32-column subtiles, 2 and 1 for groups too wide for 4 of a 64x256 tile.
+    wide = need >= 64
+    for subtile in (2, 1) if wide else (4, 8, 2, 1):
         block_n = max(128, need * subtile)
-        cfg = _gluon_config(block_m=128 if block_n <= 128 else 64, block_n=block_n, num_stages=4, subtile=subtile,
-                            epilogue_loop=loop)
+        cfg = _gluon_config(block_m=64 if wide or block_n > 128 else 128, block_n=block_n, num_stages=4,
+                            subtile=subtile, epilogue_loop=loop)
         if cfg is not None and smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
             return cfg
         fallback = fallback or (cfg and cfg.model_copy(update={"num_stages": 3}))

@@ -1,0 +1,83 @@
+"""The QKV projection's epilogue and its backward for each attention variant a config describes,
+decided here once for both segments that end in it (`first_segment`, `block_segment`):
+
+* RoPE alone (Llama): `rms_rope` / `rope`; backward: the RoPE-backward row pass, whose `<z, dz>`
+  is the input norm's row term (docs/ALGEBRA.md 3).
+* q/k/v biases (Qwen2): `rms_rope_bias` / `rope_bias`; backward as RoPE's, plus the bias gradient
+  and the row term's `<b, dz>` correction (docs/MODEL.md, "Q/K/V biases").
+* QK-norm (Qwen3): a per-head RMSNorm of q and k before RoPE, `rms_qknorm_rope(hd)`; backward:
+  `qknorm_rope_backward(hd)` on the recomputed QKV GEMM, which needs that GEMM's input `h`, not
+  `qkv` (docs/ALGEBRA.md 3a).
+
+`rstd` is the input norm's row scale the GEMM applies (block segments), or None where the GEMM's
+input is normalized already (the first segment's row pass applied it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import epilogues as E
+from ..ops.qknorm import qknorm_columns, qknorm_weight_grads
+from ..ops.rowwise import rope_backward
+from ..runtime import gemm
+
+
+def _check(b_qkv: list[torch.Tensor], qk_norm: list[torch.Tensor]) -> None:
+    if b_qkv and qk_norm:  # no supported family has both (families.py refuses Qwen3's attention_bias)
+        raise ValueError("QKV projection: q/k/v biases together with QK-norm are not computed")
+
+
+def _qknorm_operands(h: torch.Tensor, rstd: torch.Tensor | None, qk_norm: list[torch.Tensor], n_heads: int,
+                     n_kv_heads: int, eps: float, pos: torch.Tensor, freq: torch.Tensor) -> dict:
+    qk_weight, qk_mask = qknorm_columns(qk_norm[0], qk_norm[1], n_heads, n_kv_heads)
+    if rstd is None:  # the input is normalized already: a unit row scale
+        rstd = torch.ones(h.shape[0], dtype=torch.float32, device=h.device)
+    return dict(rstd=rstd, qk_weight=qk_weight, qk_mask=qk_mask, eps=eps, pos=pos, freq=freq)
+
+
+def qkv_forward(h: torch.Tensor, rstd: torch.Tensor | None, pos: torch.Tensor, freq: torch.Tensor,
+                w_qkv: torch.Tensor, b_qkv: list[torch.Tensor], qk_norm: list[torch.Tensor], n_heads: int,
+                n_kv_heads: int, eps: float) -> torch.Tensor:
+    """qkv = the projection of h by the fused, pair-permuted w_qkv, with the variant's epilogue.
+    b_qkv: [] or [bias]; qk_norm: [] or [q_norm weight, k_norm weight] ([head_dim] each, HF order)."""
+    _check(b_qkv, qk_norm)
+    if qk_norm:
+        head_dim = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
+        ops = _qknorm_operands(h, rstd, qk_norm, n_heads, n_kv_heads, eps, pos, freq)
+        return gemm(h, w_qkv.T, E.rms_qknorm_rope(head_dim), **ops)
+    scale = {} if rstd is None else {"rstd": rstd}
+    if b_qkv:
+        epi = E.rope_bias if rstd is None else E.rms_rope_bias
+        return gemm(h, w_qkv.T, epi, **scale, bias=b_qkv[0], pos=pos, freq=freq)
+    return gemm(h, w_qkv.T, E.rope if rstd is None else E.rms_rope, **scale, pos=pos, freq=freq)
+
+
+def saved_for_backward(h: torch.Tensor, qkv: torch.Tensor, qk_norm: list[torch.Tensor]) -> torch.Tensor:
+    """What `qkv_backward` reads: the GEMM's input h with QK-norm (its backward recomputes the
+    GEMM), else the output qkv (RoPE backward's row term)."""
+    return h if qk_norm else qkv
+
+
+def qkv_backward(d_qkv: torch.Tensor, saved: torch.Tensor, rstd: torch.Tensor | None, pos: torch.Tensor,
+                 freq: torch.Tensor, w_qkv: torch.Tensor, b_qkv: list[torch.Tensor], qk_norm: list[torch.Tensor],
+                 n_heads: int, n_kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dz, zdz, grads): dz the gradient of z = h @ w_qkv.T * rstd (the input norm's output times
+    w_qkv: the A operand of the RMSNorm-backward GEMM and of dW_qkv = dz.T @ normed), zdz = <z, dz>
+    per row in fp32 (that GEMM's row term), and the gradients of b_qkv or of the two QK-norm
+    weights (in their dtypes; [] for neither)."""
+    _check(b_qkv, qk_norm)
+    d_qkv = d_qkv.contiguous()
+    if qk_norm:
+        head_dim = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
+        ops = _qknorm_operands(saved, rstd, qk_norm, n_heads, n_kv_heads, eps, pos, freq)
+        back = gemm(saved, w_qkv.T, E.qknorm_rope_backward(head_dim), grad=d_qkv, **ops)
+        dwq, dwk = qknorm_weight_grads(back["dw"], n_heads, n_kv_heads, head_dim)
+        return back["du"], back["zdz"], [dwq.to(qk_norm[0].dtype), dwk.to(qk_norm[1].dtype)]
+    dz, zdz = rope_backward(d_qkv, saved, pos, freq)
+    if not b_qkv:
+        return dz, zdz, []
+    # z = n W^T + b: the norm's row term <n, dn> = <z - b, dz> loses <b, dz>; db = sum of dz over
+    # rows. Torch row reductions over dz for now, a pass the RoPE-backward kernel could fold in.
+    b = b_qkv[0]
+    return dz, zdz - dz.float() @ b.float(), [dz.float().sum(0).to(b.dtype)]

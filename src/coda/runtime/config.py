@@ -9,6 +9,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..codegen.size import code_size
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import Backend
@@ -157,7 +158,55 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
         cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
     if cfg.epi_n < need:
         cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
-    return fitted(graph, cfg, smem or (lambda c: run_smem_bytes(graph, c, size, size)))
+    return fitted(graph, within_budget(graph, cfg), smem or (lambda c: run_smem_bytes(graph, c, size, size)))
+
+
+# The most epilogue code (`codegen.size.code_size`) a default config's kernel may hold, so that a
+# first call compiles in seconds. Every epilogue of coda.ops.epilogues stays under it at its own
+# default (the largest: qknorm_rope_backward, 28544), so the budget changes none of them
+# (tests/test_compile_time.py). Over it, sm_90 compiles on the CPU took 25-86 s and more (the
+# time in LLVM's O3 growing faster than the code): docs/DESIGN.md, "Compile time".
+CODE_BUDGET = 32768
+
+
+def epilogue_code(graph: Graph, cfg: Config) -> float:
+    """The epilogue code of graph's kernel under cfg: Gluon's consumers each hold a copy of the
+    epilogue (one, as a loop, or one a subtile) over EPI_M x EPI_N elements in 128 threads; a Triton
+    kernel holds one a subtile over BLOCK_M x EPI_N in its warps, twice when its tile loop is
+    flattened (the pipeliner peels a second copy of the epilogue)."""
+    if cfg.backend == "gluon-hopper":
+        return code_size(graph, cfg.epi_m * cfg.epi_n // 128,
+                         GLUON_CONSUMERS * (1 if cfg.epilogue_loop else cfg.subtile))
+    return code_size(graph, cfg.block_m * cfg.epi_n // (32 * cfg.num_warps), cfg.subtile * (2 if cfg.flatten else 1))
+
+
+def within_budget(graph: Graph, cfg: Config) -> Config:
+    """cfg, or where its epilogue code is over CODE_BUDGET a config that holds less while it can:
+    gluon-hopper runs the epilogue as one loop over its subtiles, then on narrower ones; Triton
+    drops the flattened loop's second copy, then halves subtiles and tiles (whole groups kept).
+    Only epilogues far heavier than a Transformer block's get there; their speed matters less
+    than a first call that does not take minutes."""
+    need = max(16, min_block_n(graph))
+    while epilogue_code(graph, cfg) > CODE_BUDGET:
+        if cfg.backend == "gluon-hopper":
+            if not cfg.epilogue_loop and cfg.subtile > 1:
+                update: dict[str, object] = {"epilogue_loop": True}
+            elif cfg.epi_n // 2 >= need:
+                update = {"subtile": cfg.subtile * 2, "epilogue_loop": True}
+            else:
+                break
+        elif cfg.flatten:
+            update = {"flatten": False}
+        elif cfg.subtile > 1:
+            update = {"subtile": cfg.subtile // 2, "block_n": cfg.block_n // 2}
+        elif cfg.block_n // 2 >= need:
+            update = {"block_n": cfg.block_n // 2}
+        elif cfg.block_m > 64:
+            update = {"block_m": cfg.block_m // 2}
+        else:
+            break
+        cfg = cfg.model_copy(update=update)
+    return cfg
 
 
 def _halvings(x: int, low: int) -> list[int]:

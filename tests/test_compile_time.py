@@ -2,13 +2,13 @@
 epilogue code under `config.CODE_BUDGET`, and sm_90 compiles of the block epilogues, of heavy
 programs like those the H200 found slow, and of random programs take no more than a limit.
 
-The limit is relative to a kernel compiled in the same worker process just before (the plain
-GEMM on gluon-hopper: about 1 s on the 2-core CPU machine, shared with other jobs), so a loaded
-machine slows both alike: every compile must take at most `LIMIT_FACTOR` times as long. The
-issue's target is 15 s on the H200's host; at 25x the plain GEMM's compile that is where the
-host compiles the plain GEMM in 0.6 s (to be checked there). Before the budget, the heaviest
-program below (`HEAVY_TRIG`) took 86 s on Triton (59 s of it in LLVM's O3) and 108 s on
-gluon-hopper unrolled, against 1.0 s for the plain GEMM: 86x.
+The limit is relative to a kernel compiled in the same worker process first (the RoPE epilogue on
+gluon-hopper: 3.9-4.3 s on the 2-core CPU machine, shared with other jobs), so a loaded machine
+slows both alike: every compile must take at most `LIMIT_FACTOR` times as long. The issue's target
+is 15 s on the H200's host: 5x its RoPE compile where that takes 3 s there (to be checked on it).
+Measured here against the RoPE compile: the block epilogues 0.2-1.9x; before the budget,
+`HEAVY_TRIG` on Triton took 86 s (20x; 59 s of it in LLVM's O3) and `TRIG_WIDTH1` on gluon-hopper
+32 s (8x).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from coda.runtime.config import CODE_BUDGET, default_config, epilogue_code
 from coda.runtime.launch import PLAIN
 from test_properties import Program, programs
 
-LIMIT_FACTOR = 25
+LIMIT_FACTOR = 5
 TIMEOUT_S = 600
 
 
@@ -217,7 +217,7 @@ class Worker:
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         self.seconds: dict[str, dict] = {}
         self.ask(name="plain", backend="triton", shape=[256, 256, 128])  # warm-up: imports, first-compile setup
-        self.unit = self.ask(name="plain", backend="gluon-hopper", shape=[512, 256, 128])["seconds"]
+        self.unit = self.ask(name="rope", backend="gluon-hopper", shape=[512, 256, 128])["seconds"]
 
     def ask(self, **req: object) -> dict:
         assert self.proc.poll() is None, f"the worker exited: {self.log.read_text()[-4000:]}"
@@ -233,11 +233,11 @@ class Worker:
         return reply["result"]
 
     def timed(self, what: str, **req: object) -> None:
-        """Compile, record, and fail when it took more than LIMIT_FACTOR plain-GEMM compiles."""
+        """Compile, record, and fail when it took more than LIMIT_FACTOR RoPE compiles."""
         result = self.seconds[what] = {**self.ask(**req), "unit": self.unit}
         assert result["seconds"] <= LIMIT_FACTOR * self.unit, (
             f"{what} ({result['config']}): compiled in {result['seconds']:.1f} s, over {LIMIT_FACTOR} x "
-            f"{self.unit:.2f} s (the plain GEMM's compile in this process)")
+            f"{self.unit:.2f} s (the RoPE epilogue's compile in this process)")
 
     def close(self) -> None:
         if self.proc.poll() is None:

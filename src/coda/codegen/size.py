@@ -11,6 +11,8 @@ first factor; the runtime's default config keeps the product under `CODE_BUDGET`
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..ir.graph import Graph
 from ..ir.nodes import GroupNode, InputNode, ReduceOutput, StoreOutput, UnaryNode
 
@@ -18,11 +20,19 @@ from ..ir.nodes import GroupNode, InputNode, ReduceOutput, StoreOutput, UnaryNod
 # polynomials, the tanh and erf forms, the exp-based ones; everything else counts 1.
 _HEAVY = {"sin": 40, "cos": 40, "tanh": 20, "gelu": 25, "exp": 8, "log": 8, "sigmoid": 8, "silu": 9}
 
+# Triton's width-2 values compile to about twice the code their ops suggest (Gluon keeps them in
+# the accumulator's registers, asserted): an epilogue with two width-2 Tiles and sin of one took
+# 15-25 s at 20096 by this measure without the factor, where qknorm_rope_backward (no width-2
+# value) took 5 s at 28544 (sm_90 compiles on the CPU machine, same default config family).
+_TRITON_WIDTH2 = 2.0
 
-def epilogue_weight(graph: Graph) -> float:
+
+def epilogue_weight(graph: Graph, backend: str) -> float:
     """Operations of the epilogue per accumulator element: every column-carrying value's ops,
-    scaled by its width (a width-2 value has two elements per accumulator element); loads, stores
-    and reductions count too. Scalars and row values are computed once a row: not counted."""
+    scaled by its width (a width-2 value has two elements per accumulator element, and on Triton
+    twice that again); loads, stores and reductions count too. Scalars and row values are computed
+    once a row: not counted."""
+    scale = {Fraction(1, 2): 0.5, Fraction(1): 1.0, Fraction(2): 2.0 * (_TRITON_WIDTH2 if backend == "triton" else 1)}
     weight = 0.0
     for node in graph.nodes:
         if node.kind.value != "tile" or (isinstance(node, InputNode) and node.name == "acc"):
@@ -30,17 +40,17 @@ def epilogue_weight(graph: Graph) -> float:
         ops = _HEAVY.get(node.fn, 1) if isinstance(node, UnaryNode) else 1
         if isinstance(node, GroupNode):
             ops = 2 * node.group.bit_length()
-        weight += ops * float(node.frac_width)
+        weight += ops * scale[node.frac_width]
     for out in graph.outputs:
         ops = 2 if isinstance(out, StoreOutput) else 6 if isinstance(out, ReduceOutput) else 1
-        weight += ops * float(graph.node(out.x).frac_width)
+        weight += ops * scale[graph.node(out.x).frac_width]
     return weight
 
 
-def code_size(graph: Graph, elements: int, copies: int) -> float:
-    """The epilogue's operations in a kernel whose threads hold `elements` accumulator elements
-    a subtile, with `copies` copies of the epilogue."""
-    return epilogue_weight(graph) * elements * copies
+def code_size(graph: Graph, backend: str, elements: int, copies: int) -> float:
+    """The epilogue's operations in a `backend` kernel whose threads hold `elements` accumulator
+    elements a subtile, with `copies` copies of the epilogue."""
+    return epilogue_weight(graph, backend) * elements * copies
 
 
 __all__ = ["code_size", "epilogue_weight"]

@@ -175,9 +175,10 @@ def epilogue_code(graph: Graph, cfg: Config) -> float:
     kernel holds one a subtile over BLOCK_M x EPI_N in its warps, twice when its tile loop is
     flattened (the pipeliner peels a second copy of the epilogue)."""
     if cfg.backend == "gluon-hopper":
-        return code_size(graph, cfg.epi_m * cfg.epi_n // 128,
+        return code_size(graph, cfg.backend, cfg.epi_m * cfg.epi_n // 128,
                          GLUON_CONSUMERS * (1 if cfg.epilogue_loop else cfg.subtile))
-    return code_size(graph, cfg.block_m * cfg.epi_n // (32 * cfg.num_warps), cfg.subtile * (2 if cfg.flatten else 1))
+    return code_size(graph, cfg.backend, cfg.block_m * cfg.epi_n // (32 * cfg.num_warps),
+                     cfg.subtile * (2 if cfg.flatten else 1))
 
 
 def within_budget(graph: Graph, cfg: Config) -> Config:

@@ -15,6 +15,7 @@ from fractions import Fraction
 
 from ..ir.graph import Graph
 from ..ir.nodes import GroupNode, InputNode, ReduceOutput, StoreOutput, UnaryNode
+from ..ir.primitives import Backend
 
 # Operations per element beyond one, in sm_90 PTX: coda's sin/cos range reduction and
 # polynomials, the tanh and erf forms, the exp-based ones; everything else counts 1.
@@ -27,12 +28,13 @@ _HEAVY = {"sin": 40, "cos": 40, "tanh": 20, "gelu": 25, "exp": 8, "log": 8, "sig
 _TRITON_WIDTH2 = 2.0
 
 
-def epilogue_weight(graph: Graph, backend: str) -> float:
+def epilogue_weight(graph: Graph, backend: Backend) -> float:
     """Operations of the epilogue per accumulator element: every column-carrying value's ops,
     scaled by its width (a width-2 value has two elements per accumulator element, and on Triton
     twice that again); loads, stores and reductions count too. Scalars and row values are computed
     once a row: not counted."""
-    scale = {Fraction(1, 2): 0.5, Fraction(1): 1.0, Fraction(2): 2.0 * (_TRITON_WIDTH2 if backend == "triton" else 1)}
+    scale = {Fraction(1, 2): 0.5, Fraction(1): 1.0,
+             Fraction(2): 2.0 * (_TRITON_WIDTH2 if backend == "triton" else 1.0)}
     weight = 0.0
     for node in graph.nodes:
         if node.kind.value != "tile" or (isinstance(node, InputNode) and node.name == "acc"):
@@ -47,7 +49,7 @@ def epilogue_weight(graph: Graph, backend: str) -> float:
     return weight
 
 
-def code_size(graph: Graph, backend: str, elements: int, copies: int) -> float:
+def code_size(graph: Graph, backend: Backend, elements: int, copies: int) -> float:
     """The epilogue's operations in a `backend` kernel whose threads hold `elements` accumulator
     elements a subtile, with `copies` copies of the epilogue."""
     return epilogue_weight(graph, backend) * elements * copies

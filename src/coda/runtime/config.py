@@ -158,7 +158,14 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
         cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
     if cfg.epi_n < need:
         cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
-    return fitted(graph, within_budget(graph, cfg), smem or (lambda c: run_smem_bytes(graph, c, size, size)))
+    smem = smem or (lambda c: run_smem_bytes(graph, c, size, size))
+    budgeted = within_budget(graph, cfg)
+    try:
+        return fitted(graph, budgeted, smem)
+    except ValueError:  # no config below the budgeted one fits: the budget never refuses a program
+        if budgeted == cfg:
+            raise
+        return fitted(graph, cfg, smem)
 
 
 # The most epilogue code (`codegen.size.code_size`) a default config's kernel may hold, so that a
@@ -182,32 +189,35 @@ def epilogue_code(graph: Graph, cfg: Config) -> float:
 
 
 def within_budget(graph: Graph, cfg: Config) -> Config:
-    """cfg, or where its epilogue code is over CODE_BUDGET a config that holds less while it can:
-    gluon-hopper runs the epilogue as one loop over its subtiles, then on narrower ones; Triton
-    drops the flattened loop's second copy, then halves subtiles and tiles (whole groups kept).
-    Only epilogues far heavier than a Transformer block's get there; their speed matters less
+    """cfg, or where its epilogue code is over CODE_BUDGET a config that holds less: gluon-hopper
+    runs the epilogue as one loop over its subtiles (then on narrower ones), Triton drops the
+    flattened loop's second copy (then halves subtiles and tiles, whole groups kept). A program the
+    budget is out of reach for (groups so wide that one subtile's elements alone exceed it) keeps
+    cfg. Only epilogues far heavier than a Transformer block's get here; their speed matters less
     than a first call that does not take minutes."""
     need = max(16, min_block_n(graph))
-    while epilogue_code(graph, cfg) > CODE_BUDGET:
-        if cfg.backend == "gluon-hopper":
-            if not cfg.epilogue_loop and cfg.subtile > 1:
+    steps = [cfg]
+    while epilogue_code(graph, steps[-1]) > CODE_BUDGET:
+        c = steps[-1]
+        if c.backend == "gluon-hopper":
+            if not c.epilogue_loop and c.subtile > 1:
                 update: dict[str, object] = {"epilogue_loop": True}
-            elif cfg.epi_n // 2 >= need:
-                update = {"subtile": cfg.subtile * 2, "epilogue_loop": True}
+            elif c.epi_n // 2 >= need:
+                update = {"subtile": c.subtile * 2, "epilogue_loop": True}
             else:
                 break
-        elif cfg.flatten:
+        elif c.flatten:
             update = {"flatten": False}
-        elif cfg.subtile > 1:
-            update = {"subtile": cfg.subtile // 2, "block_n": cfg.block_n // 2}
-        elif cfg.block_n // 2 >= need:
-            update = {"block_n": cfg.block_n // 2}
-        elif cfg.block_m > 64:
-            update = {"block_m": cfg.block_m // 2}
+        elif c.subtile > 1:
+            update = {"subtile": c.subtile // 2, "block_n": c.block_n // 2}
+        elif c.block_n // 2 >= need:
+            update = {"block_n": c.block_n // 2}
+        elif c.block_m > 64:
+            update = {"block_m": c.block_m // 2}
         else:
             break
-        cfg = cfg.model_copy(update=update)
-    return cfg
+        steps.append(c.model_copy(update=update))
+    return steps[-1] if epilogue_code(graph, steps[-1]) <= CODE_BUDGET else cfg
 
 
 def _halvings(x: int, low: int) -> list[int]:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..codegen.size import code_size
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import Backend
@@ -157,7 +158,66 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
         cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
     if cfg.epi_n < need:
         cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
-    return fitted(graph, cfg, smem or (lambda c: run_smem_bytes(graph, c, size, size)))
+    smem = smem or (lambda c: run_smem_bytes(graph, c, size, size))
+    budgeted = within_budget(graph, cfg)
+    try:
+        return fitted(graph, budgeted, smem)
+    except ValueError:  # no config below the budgeted one fits: the budget never refuses a program
+        if budgeted == cfg:
+            raise
+        return fitted(graph, cfg, smem)
+
+
+# The most epilogue code (`codegen.size.code_size`) a default config's kernel may hold, so that a
+# first call compiles in seconds. Every epilogue of coda.ops.epilogues stays under it at its own
+# default (the largest: qknorm_rope_backward, 28544), so the budget changes none of them
+# (tests/test_compile_time.py). Over it, sm_90 compiles on the CPU took 25-86 s and more (the
+# time in LLVM's O3 growing faster than the code): docs/DESIGN.md, "Compile time".
+CODE_BUDGET = 32768
+
+
+def epilogue_code(graph: Graph, cfg: Config) -> float:
+    """The epilogue code of graph's kernel under cfg: Gluon's consumers each hold a copy of the
+    epilogue (one, as a loop, or one a subtile) over EPI_M x EPI_N elements in 128 threads; a Triton
+    kernel holds one a subtile over BLOCK_M x EPI_N in its warps, twice when its tile loop is
+    flattened (the pipeliner peels a second copy of the epilogue)."""
+    if cfg.backend == "gluon-hopper":
+        return code_size(graph, cfg.backend, cfg.epi_m * cfg.epi_n // 128,
+                         GLUON_CONSUMERS * (1 if cfg.epilogue_loop else cfg.subtile))
+    return code_size(graph, cfg.backend, cfg.block_m * cfg.epi_n // (32 * cfg.num_warps),
+                     cfg.subtile * (2 if cfg.flatten else 1))
+
+
+def within_budget(graph: Graph, cfg: Config) -> Config:
+    """cfg, or where its epilogue code is over CODE_BUDGET a config that holds less: gluon-hopper
+    runs the epilogue as one loop over its subtiles (then on narrower ones), Triton drops the
+    flattened loop's second copy (then halves subtiles and tiles, whole groups kept). A program the
+    budget is out of reach for (groups so wide that one subtile's elements alone exceed it) keeps
+    cfg. Only epilogues far heavier than a Transformer block's get here; their speed matters less
+    than a first call that does not take minutes."""
+    need = max(16, min_block_n(graph))
+    steps = [cfg]
+    while epilogue_code(graph, steps[-1]) > CODE_BUDGET:
+        c = steps[-1]
+        if c.backend == "gluon-hopper":
+            if not c.epilogue_loop and c.subtile > 1:
+                update: dict[str, object] = {"epilogue_loop": True}
+            elif c.epi_n // 2 >= need:
+                update = {"subtile": c.subtile * 2, "epilogue_loop": True}
+            else:
+                break
+        elif c.flatten:
+            update = {"flatten": False}
+        elif c.subtile > 1:
+            update = {"subtile": c.subtile // 2, "block_n": c.block_n // 2}
+        elif c.block_n // 2 >= need:
+            update = {"block_n": c.block_n // 2}
+        elif c.block_m > 64:
+            update = {"block_m": c.block_m // 2}
+        else:
+            break
+        steps.append(c.model_copy(update=update))
+    return steps[-1] if epilogue_code(graph, steps[-1]) <= CODE_BUDGET else cfg
 
 
 def _halvings(x: int, low: int) -> list[int]:

@@ -90,7 +90,11 @@ def exact_sigmoid(text: str) -> str:
         raise ValueError("timeline: the template changed (its gluon_helpers import)")
     if "_sigmoid(" not in text:  # an epilogue without a sigmoid: nothing to replace
         return text
-    line_end = text.index("\n", text.index(anchor)) + 1
+    start = text.index(anchor)
+    # the end of the import statement: its line, or the line closing its parenthesized names
+    end = text.index(")", start) if text[start:text.index("\n", start)].rstrip().split("#")[0].rstrip().endswith("(") \
+        else start
+    line_end = text.index("\n", end) + 1
     return (text[:line_end] + "from coda.templates import jit_helpers as _jh\n"
             + "_sigmoid = gluon.jit(_jh._sigmoid.fn)\n" + text[line_end:])
 

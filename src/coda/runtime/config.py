@@ -172,7 +172,7 @@ def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int,
 # first call compiles in seconds. Every epilogue of coda.ops.epilogues stays under it at its own
 # default (the largest: qknorm_rope_backward, 28544), so the budget changes none of them
 # (tests/test_compile_time.py). Over it, sm_90 compiles on the CPU took 25-86 s and more (the
-# time in LLVM's O3 growing faster than the code): docs/DESIGN.md, "Compile time".
+# time in LLVM's O3 growing faster than the code): docs/DESIGN.md, its paragraph on compile time.
 CODE_BUDGET = 32768
 
 

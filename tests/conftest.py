@@ -49,6 +49,21 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, a: torch.Tensor, b: torch
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of `a` against `b` (fp64 norms): how whole models and blocks are compared."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def token_batch(vocab: int, seq: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random token ids [batch, seq] and their labels, the first row's first three ignored
+    (-100): a training batch for the tiny models."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
 def randn(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device = DEVICE) -> torch.Tensor:
     return torch.randn(*shape, device=device).to(dtype)
 

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import coda  # noqa: E402
 from coda.models import LlamaForCausalLM  # noqa: E402
-from conftest import DEVICE  # noqa: E402
+from conftest import DEVICE, rel  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -35,9 +35,6 @@ def ids_and_labels(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g).to(DEVICE)
     return ids, ids.clone()
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def assert_same_step(model: LlamaForCausalLM, hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,

@@ -10,11 +10,8 @@ import torch
 
 from coda.models import BlockWeights, NativeBlockWeights, block_segment, qkv_to_standard, reference_block_segment
 from coda.ops.layout import permute_rope_rows
-from conftest import DEVICE, EPS, scale
+from conftest import DEVICE, EPS, rel, scale
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def make(dtype: torch.dtype, m: int, d: int, heads: int, kv: int, hd: int, f: int) -> tuple:

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from coda.models import LlamaForCausalLM  # noqa: E402
-from conftest import DEVICE  # noqa: E402
+from conftest import DEVICE, rel  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 # With head_dim 8 the four RoPE wavelengths (6, 63, 628, 6283) fall one below high_wavelen (kept), one
@@ -40,9 +40,6 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     labels[1, 5] = -100
     return ids, labels
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def hf_grads(model) -> dict[str, torch.Tensor]:

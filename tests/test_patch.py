@@ -13,7 +13,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import coda  # noqa: E402
-from conftest import DEVICE, EPS  # noqa: E402
+from conftest import DEVICE, EPS, rel  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -40,9 +40,6 @@ def hf_model(kind: str, **kw):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     return model
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 # Swapped per layer: Llama's input norm and norm + MLP; Gemma's also its two sandwich norms.

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import coda  # noqa: E402
-from conftest import DEVICE  # noqa: E402
+from conftest import DEVICE, rel, token_batch  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 # Layer 1 slides (window 4 < SEQ); head_dim 16 (q width 64, not hidden_size: Qwen3's o_proj maps it back).
@@ -35,15 +35,8 @@ def hf_qwen3(**kw: object) -> torch.nn.Module:
 
 
 def ids_and_labels() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g).to(DEVICE)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
+    return token_batch(VOCAB, SEQ)
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

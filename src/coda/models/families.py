@@ -69,12 +69,13 @@ SHAPE = {name: ANY for name in ("vocab_size", "hidden_size", "intermediate_size"
 SILU = Rule(lambda v: v == "silu", "'silu' (SwiGLU)")
 NO_BIAS = Rule(lambda v: not v, "False")
 ROPE = Rule(_rope_ok, "rope_type 'default' or 'llama3' over the whole head", frozenset({FROM_HF}))
+# Dropout changes training math: coda's own model has none; coda.patch keeps HF's modules that apply it.
+NO_DROPOUT = Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF}))
 # Attention-only fields: coda.patch keeps HF's attention, so only coda's own model must handle them.
 ATTENTION = {
     "num_key_value_heads": ANY, "head_dim": ANY,
     "rope_parameters": ROPE, "rope_scaling": ROPE, "rope_theta": ANY,
-    # Dropout on the attention weights changes training math: coda's attention has none.
-    "attention_dropout": Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF})),
+    "attention_dropout": NO_DROPOUT,  # on the attention weights
 }
 # Read by the config class when it is built (to set other fields), never by the model.
 DERIVED = Rule(_any, "any value", frozenset())
@@ -128,8 +129,6 @@ _GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sli
 # Phi-3: fused qkv_proj (inside HF's attention) and gate_up_proj ([gate; up] rows: coda.patch passes
 # the two halves as views). Its dropout stays HF's under coda.patch: the decoder layer, which patch
 # keeps, applies resid_pdrop around coda's MLP output, and HF's Phi3Model reads embd_pdrop nowhere.
-# coda's own model has no dropout.
-NO_DROPOUT = Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF}))
 _PHI3 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
          "resid_pdrop": NO_DROPOUT, "embd_pdrop": NO_DROPOUT,
          # RoPE, inside HF's attention: longrope's switch length, the rotated fraction of each head.

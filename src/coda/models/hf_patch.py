@@ -1,6 +1,5 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3,
-OLMo 2)
-through coda's ops.
+OLMo 2) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -24,10 +23,10 @@ which coda does not rewrite), RoPE and attention, with whatever the family does 
 biases, Qwen3's and Gemma 3's QK-norm, sliding windows, Gemma's per-layer-type RoPE and attention
 scale). Which families and config fields fit: families.py.
 
-Families whose decoder layer is not Llama's have their own layer patch (_LAYER_PATCHES): Phi-3
-(Llama's layout with fused projections: the gate and up weights are row views of gate_up_proj,
-its fused q/k/v projection stays HF's) and OLMo 2 (norms on the attention and MLP outputs, no
-norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
+Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
+of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. Families whose decoder layer
+is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 (norms on the attention and
+MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
 """
 
 from __future__ import annotations
@@ -76,35 +75,24 @@ def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self._coda_forward(hidden_states)
 
 
+def _gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP's gate and up weights: its two projections', or the row halves of Phi-3's fused
+    gate_up_proj ([gate; up]: HF chunks its output in that order). chunk's two views share one
+    SplitBackward: autograd writes both gradients into the fused parameter with one
+    concatenation, the only cost over separate weights."""
+    fused = getattr(mlp, "gate_up_proj", None)
+    if fused is not None:
+        return fused.weight.chunk(2)
+    return mlp.gate_proj.weight, mlp.up_proj.weight
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
-    return self._coda_op(x, _gain(norm), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, _eps(norm))
-
-
-def _phi3_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # gate_up_proj's rows are [gate; up] (HF chunks its output in that order). chunk's two views
-    # share one SplitBackward: autograd writes both gradients into the fused parameter with one
-    # concatenation, the only cost over separate weights.
-    norm = self._coda_norm
-    w_gate, w_up = self.gate_up_proj.weight.chunk(2)
-    return rmsnorm_swiglu_mlp(x, norm.weight, w_gate, w_up, self.down_proj.weight, norm.variance_epsilon)
+    return self._coda_op(x, _gain(norm), *_gate_up(self), self.down_proj.weight, _eps(norm))
 
 
 def _olmo2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-
-
-def _patch_phi3_layer(i: int, layer: nn.Module) -> list[str]:
-    """Llama's layout: the input norm alone (it feeds HF's fused qkv_proj), the post-attention norm
-    inside the MLP's op."""
-    layer.input_layernorm._coda_unit_offset = False
-    layer.input_layernorm.forward = types.MethodType(_norm, layer.input_layernorm)
-    norm, mlp = layer.post_attention_layernorm, layer.mlp
-    norm.forward = types.MethodType(_passthrough, norm)
-    object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
-    mlp.forward = types.MethodType(_phi3_mlp_forward, mlp)
-    return [f"model.layers.{i}.input_layernorm -> coda.ops.rmsnorm",
-            f"model.layers.{i}.post_attention_layernorm+mlp -> coda.ops.rmsnorm_swiglu_mlp"]
 
 
 def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
@@ -123,7 +111,6 @@ def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
 
 # Families whose decoder layer differs from Llama's, by model_type (the rest: the loop in patch()).
 _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
-    "phi3": _patch_phi3_layer,
     "olmo2": _patch_olmo2_layer,
 }
 

@@ -1,4 +1,4 @@
-"""A process that compiles for sm_90 without a GPU, for the AOT tests (test_aot_gluon.py,
+"""A process that compiles for sm_90 without a GPU, for the AOT tests (test_aot_gluon.py, test_compile_time.py,
 test_resources.py): one JSON request a line in, one JSON reply a line out. A test module gives the
 body of the worker's script, a `handle(req) -> result` and its imports; `script` wraps it so that
 only replies reach the reply stream."""

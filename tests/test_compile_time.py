@@ -15,11 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import select
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,6 +27,7 @@ from coda.ops import epilogues as E
 from coda.runtime import config
 from coda.runtime.config import CODE_BUDGET, default_config, epilogue_code
 from coda.runtime.launch import PLAIN
+from aot_worker import AotWorker, script
 from test_properties import Program, programs
 
 LIMIT_FACTOR = 5
@@ -131,12 +127,9 @@ def test_heavy_default_fits_the_budget(monkeypatch: pytest.MonkeyPatch, backend:
 
 # -- sm_90 compiles, timed ----------------------------------------------------------------------
 
-WORKER = textwrap.dedent('''
-    import json, os, sys, time, traceback
-
-    out = os.fdopen(os.dup(1), "w")  # replies; everything else printed goes to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+# The worker's imports and `handle` (aot_worker.script adds the reply stream and the request loop).
+WORKER = script('''
+    import time
 
     import torch
     import coda
@@ -190,47 +183,21 @@ WORKER = textwrap.dedent('''
         return {"seconds": time.perf_counter() - start,
                 "config": f"{cfg.block_m}x{cfg.block_n}/{cfg.subtile}{' loop' if cfg.epilogue_loop else ''}"
                           f"{' flatten' if cfg.flatten else ''}{' cooperative' if cfg.cooperative else ''}"}
-
-
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            reply = {"ok": True, "result": handle(req)}
-        except Exception:
-            reply = {"ok": False, "error": traceback.format_exc()}
-        out.write(json.dumps(reply) + "\\n")
-        out.flush()
 ''')
 
 
 class Worker:
-    """A fresh TRITON_INTERPRET=0 process with its own caches: one JSON request a line in, one reply out."""
+    """The timing process (aot_worker.AotWorker: TRITON_INTERPRET=0, its own caches), warmed up, with
+    the RoPE epilogue's gluon-hopper compile as the unit the limit is a multiple of."""
 
     def __init__(self, tmp: Path) -> None:
-        script = tmp / "compile_time_worker.py"
-        script.write_text(WORKER)
-        env = {**os.environ, "TRITON_INTERPRET": "0", "CODA_CACHE_DIR": str(tmp / "coda"),
-               "TRITON_CACHE_DIR": str(tmp / "triton")}
-        self.log = tmp / "worker.stderr"
-        self._stderr = self.log.open("w")
-        self.proc = subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.proc = AotWorker(tmp, WORKER, TIMEOUT_S)
         self.seconds: dict[str, dict] = {}
         self.ask(name="plain", backend="triton", shape=[256, 256, 128])  # warm-up: imports, first-compile setup
         self.unit = self.ask(name="rope", backend="gluon-hopper", shape=[512, 256, 128])["seconds"]
 
     def ask(self, **req: object) -> dict:
-        assert self.proc.poll() is None, f"the worker exited: {self.log.read_text()[-4000:]}"
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        if not select.select([self.proc.stdout], [], [], TIMEOUT_S)[0]:
-            self.proc.kill()
-            pytest.fail(f"{req}: no reply within {TIMEOUT_S} s")
-        line = self.proc.stdout.readline()
-        assert line, f"the worker died: {self.log.read_text()[-4000:]}"
-        reply = json.loads(line)
-        assert reply["ok"], f"{req}: {reply['error']}"
-        return reply["result"]
+        return self.proc.request(req, f"{req}: ")
 
     def timed(self, what: str, **req: object) -> None:
         """Compile, record, and fail when it took more than LIMIT_FACTOR RoPE compiles."""
@@ -240,10 +207,7 @@ class Worker:
             f"{self.unit:.2f} s (the RoPE epilogue's compile in this process)")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-        self._stderr.close()
+        self.proc.close()
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ REDUCTIONS: dict[str, Reduction] = {
     "logsumexp": Reduction("logsumexp", ("n",), 'float("-inf")', _logsumexp),
 }
 REDUCE_N_OPS = tuple(r.op for r in REDUCTIONS.values() if "n" in r.axes)
+REDUCE_M_OPS = tuple(r.op for r in REDUCTIONS.values() if "m" in r.axes)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,6 @@ GROUP_REDUCTIONS: dict[str, GroupReduction] = {
     "max": GroupReduction("max", _same("_group_max({x}, {g})"), _grouped(lambda t: t.amax(-1, keepdim=True))),
 }
 GROUP_OPS = tuple(GROUP_REDUCTIONS)
-REDUCE_M_OPS = tuple(r.op for r in REDUCTIONS.values() if "m" in r.axes)
 
 
 def reference(fn: str, *args: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ class BlockWeights:
     n_kv_heads: int
     eps: float = 1e-6
     rope_base: float = 10000.0
-    rope_scaling: list[float] | None = None  # Llama 3: [factor, low_freq_factor, high_freq_factor, original_max_pos]
+    rope_scaling: list[float] | None = None  # inv_freq's: linear [factor], or Llama 3's 4 numbers
 
     @property
     def head_dim(self) -> int:
@@ -148,13 +148,15 @@ class NativeBlockWeights:
 
 def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...] | None = None,
              device: torch.device | str | None = None) -> torch.Tensor:
-    """RoPE's per-pair frequencies base^(-2i/head_dim), with Llama 3's scaling when `scaling` is
-    [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings] (the rule of
-    transformers' "llama3" rope type: long wavelengths slowed by factor, short ones kept, a
-    smooth blend between)."""
+    """RoPE's per-pair frequencies base^(-2i/head_dim), scaled as transformers' rope types say:
+    `scaling` [factor] is "linear" (every frequency divided by factor: Gemma 3's global layers);
+    [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings] is "llama3"
+    (long wavelengths slowed by factor, short ones kept, a smooth blend between)."""
     inv = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     if scaling is None:
         return inv
+    if len(scaling) == 1:
+        return inv / scaling[0]
     factor, low, high, old_len = scaling
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv

@@ -23,56 +23,73 @@ from .layout import interleave_gate_up, split_gate_up
 from .rowwise import rms_prep
 
 
-def _gated_mlp(name: str, save: Epilogue, backward_zdz: Epilogue) -> Callable[..., torch.Tensor]:
-    """The fused op `coda::{name}`: `save` gives {z, y} from the gate/up GEMM, `backward_zdz`
-    gives {dz, y, zdz} from dY @ W_down and the saved z."""
+def _interleaved(gate_up: list[torch.Tensor]) -> torch.Tensor:
+    """[w_gate_up] as it is, or [w_gate, w_up] interleaved (a copy made in forward and again in
+    backward: keeping it for backward would hold a [2F, D] copy per layer)."""
+    return gate_up[0] if len(gate_up) == 1 else interleave_gate_up(*gate_up)
 
-    def fwd(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            w_down: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def _gated_mlp(name: str, save: Epilogue, backward_zdz: Epilogue) -> Callable[..., torch.Tensor]:
+    """The fused op `coda::{name}`: `save` gives {z, y} from the gate/up GEMM, `backward_zdz` gives
+    {dz, y, zdz} from dY @ W_down and the saved z. `gate_up`: [w_gate_up] interleaved
+    (ops.layout.interleave_gate_up, as coda's models hold it) or [w_gate, w_up]."""
+
+    def fwd(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, rstd = rms_prep(x, norm_weight, eps)  # h = F.rms_norm(x, g): rstd is applied already
-        c = gemm(h, interleave_gate_up(w_gate, w_up).T, save)
+        c = gemm(h, _interleaved(gate_up).T, save)
         return gemm(c["y"], w_down.T), c["z"], rstd
 
-    def fwd_fake(x, norm_weight, w_gate, w_up, w_down, eps):
+    def fwd_fake(x, norm_weight, gate_up, w_down, eps):
         m = x.shape[0]
-        return x.new_empty(m, w_down.shape[0]), x.new_empty(m, 2 * w_gate.shape[0]), x.new_empty(m, dtype=torch.float32)
+        return x.new_empty(m, w_down.shape[0]), x.new_empty(m, 2 * w_down.shape[1]), x.new_empty(m, dtype=torch.float32)
 
-    def save_for_backward(x, norm_weight, w_gate, w_up, w_down, eps, *, out):
-        return x, norm_weight, w_gate, w_up, w_down, out[1], out[2]
+    def save_for_backward(x, norm_weight, gate_up, w_down, eps, *, out):
+        return x, norm_weight, gate_up, w_down, out[1], out[2]
 
-    def bwd(dout: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+    def bwd(dout: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, gate_up: list[torch.Tensor],
             w_down: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor) -> list[torch.Tensor]:
         dout = dout.contiguous()
-        w_gu = interleave_gate_up(w_gate, w_up)
         sb = gemm(dout, w_down, backward_zdz, z=z)
         dw_down = gemm(dout.T, sb["y"])
-        n = gemm(sb["dz"], w_gu, E.rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
+        n = gemm(sb["dz"], _interleaved(gate_up), E.rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
                  zdz_over_d=sb["zdz"] / x.shape[-1])
-        dw_gate, dw_up = split_gate_up(gemm(sb["dz"].T, n["normed"]))
-        return [n["dx"], n["dg"].to(norm_weight.dtype), dw_gate.contiguous(), dw_up.contiguous(), dw_down]
+        dw_gate_up = gemm(sb["dz"].T, n["normed"])
+        d_gate_up = [dw_gate_up] if len(gate_up) == 1 else [w.contiguous() for w in split_gate_up(dw_gate_up)]
+        return [n["dx"], n["dg"].to(norm_weight.dtype), *d_gate_up, dw_down]
 
-    def bwd_fake(dout, x, norm_weight, w_gate, w_up, w_down, z, rstd):
-        return [torch.empty_like(t) for t in (x, norm_weight, w_gate, w_up, w_down)]
+    def bwd_fake(dout, x, norm_weight, gate_up, w_down, z, rstd):
+        return [torch.empty_like(t) for t in (x, norm_weight, *gate_up, w_down)]
 
     op = fused_op(f"coda::{name}", forward=fwd, fake=fwd_fake, save=save_for_backward, backward=bwd,
-                  backward_fake=bwd_fake, grads=("x", "norm_weight", "w_gate", "w_up", "w_down"))
+                  backward_fake=bwd_fake, grads=("x", "norm_weight", "gate_up", "w_down"))
 
-    def run(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            w_down: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-        d = x.shape[-1]
-        if norm_weight.shape != (d,) or w_gate.shape != w_up.shape or w_gate.dim() != 2 or w_gate.shape[1] != d \
-                or w_down.shape != (d, w_gate.shape[0]):
+    def run(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor,
+            eps: float) -> torch.Tensor:
+        d, f = x.shape[-1], w_down.shape[-1]
+        rows = [2 * f] if len(gate_up) == 1 else [f, f]
+        if norm_weight.shape != (d,) or [list(w.shape) for w in gate_up] != [[r, d] for r in rows] \
+                or w_down.shape != (d, f):
             raise ValueError(
-                f"{name}: x {list(x.shape)}, norm_weight {list(norm_weight.shape)}, w_gate "
-                f"{list(w_gate.shape)}, w_up {list(w_up.shape)}, w_down {list(w_down.shape)} must be [..., D], [D], "
-                f"[F, D], [F, D], [D, F]")
-        return op(x.reshape(-1, d), norm_weight, w_gate, w_up, w_down, float(eps)).reshape(x.shape)
+                f"{name}: x {list(x.shape)}, norm_weight {list(norm_weight.shape)}, gate/up "
+                f"{[list(w.shape) for w in gate_up]}, w_down {list(w_down.shape)} must be [..., D], [D], "
+                f"[[2F, D]] or [[F, D], [F, D]], [D, F]")
+        return op(x.reshape(-1, d), norm_weight, list(gate_up), w_down, float(eps)).reshape(x.shape)
 
     return run
 
 
-_swiglu = _gated_mlp("rmsnorm_swiglu_mlp", E.swiglu_save, E.swiglu_backward_zdz)
-_geglu = _gated_mlp("rmsnorm_geglu_mlp", E.geglu_save, E.geglu_backward_zdz)
+_OPS = {"silu": _gated_mlp("rmsnorm_swiglu_mlp", E.swiglu_save, E.swiglu_backward_zdz),
+        "gelu_tanh": _gated_mlp("rmsnorm_geglu_mlp", E.geglu_save, E.geglu_backward_zdz)}
+
+
+def rmsnorm_gated_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                      eps: float, activation: str) -> torch.Tensor:
+    """The norm + gated MLP on coda's interleaved gate/up weight [2F, D] (ops.layout.interleave_gate_up),
+    as a model holds it: `activation` "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    if activation not in _OPS:
+        raise ValueError(f"rmsnorm_gated_mlp: activation must be one of {sorted(_OPS)}, got {activation!r}")
+    return _OPS[activation](x, norm_weight, [w_gate_up], w_down, eps)
 
 
 def rmsnorm_swiglu_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -80,7 +97,7 @@ def rmsnorm_swiglu_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch
     """swiglu_mlp(F.rms_norm(x, (D,), norm_weight, eps), w_gate, w_up, w_down), with gradients for all.
 
     x: [..., D]; norm_weight: [D]; w_gate, w_up: [F, D]; w_down: [D, F]. Returns [..., D]."""
-    return _swiglu(x, norm_weight, w_gate, w_up, w_down, eps)
+    return _OPS["silu"](x, norm_weight, [w_gate, w_up], w_down, eps)
 
 
 def rmsnorm_geglu_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -88,4 +105,4 @@ def rmsnorm_geglu_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate: torch.
     """F.linear(F.gelu(F.linear(h, w_gate), approximate="tanh") * F.linear(h, w_up), w_down) with
     h = F.rms_norm(x, (D,), norm_weight, eps): Gemma's MLP and the norm in front of it, with
     gradients for all. Shapes as rmsnorm_swiglu_mlp."""
-    return _geglu(x, norm_weight, w_gate, w_up, w_down, eps)
+    return _OPS["gelu_tanh"](x, norm_weight, [w_gate, w_up], w_down, eps)

@@ -1,7 +1,8 @@
 """coda's model attends as transformers does (masks.py) against the unmodified HF models in fp32:
-padding (left and right), documents packed in a row (also against HF run on each document alone),
-sliding windows shorter than the sequence, for every layer (Mistral) or per layer (Qwen2's
-layer_types, with its q/k/v biases); loss and every parameter gradient."""
+padding (left and right) and documents packed in a row (also against HF run on each document
+alone) for each family from_hf takes, sliding windows shorter than the sequence, for every layer
+(Mistral) or per layer (Qwen2's layer_types, with its q/k/v biases); loss and every parameter
+gradient."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ from conftest import DEVICE, rel  # noqa: E402
 VOCAB, SEQ = 96, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
+# Per family what changes its attention: QK-norm (qwen3, gemma3_text), a window shorter than the
+# sequence on layer 0 (Gemma's), capped scores under HF's eager attention (gemma2), Phi-3's fused
+# projections and a window on every layer; pad_token_id 0 (HF's default pad id is past VOCAB for Phi-3).
+FAMILIES = {
+    "llama": dict(pad_token_id=0),
+    "qwen3": dict(head_dim=16),
+    "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "gemma2": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=0.5, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(sliding_window=6, pad_token_id=0),
+}
 
 
 def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
@@ -52,28 +65,31 @@ def assert_same_step(model: LlamaForCausalLM, hf: torch.nn.Module, ids: torch.Te
         assert rel(mine[name], g) < 1e-5, f"{name}: relative error {rel(mine[name], g):.3g}"
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padding_matches_hf(side: str) -> None:
-    hf = hf_model("llama")
+def test_padding_matches_hf(side: str, family: str) -> None:
+    hf = hf_model(family, **FAMILIES[family])
     model = coda.models.from_hf(hf)
     ids, labels = ids_and_labels()
     mask = torch.ones_like(ids)
     pads = slice(0, 5) if side == "left" else slice(SEQ - 5, SEQ)
     mask[1, pads] = 0  # row 1 padded, row 0 not
     labels[mask == 0] = -100
-    # Every token's logits, padding too: a left-padded query with no key outputs zeros, as under
-    # HF's default SDPA attention (its eager attention averages every value there instead).
-    assert hf.config._attn_implementation == "sdpa"
     with torch.no_grad():
         ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
-    assert rel(ours, theirs) < 1e-5 and rel(ours[1, pads], theirs[1, pads]) < 1e-5
+    assert rel(ours[mask == 1], theirs[mask == 1]) < 1e-5
+    # A left-padded query has no key: it outputs zeros, as under HF's default SDPA attention (HF's eager
+    # attention, Gemma 2's, averages every value there instead; no loss or gradient reads those rows).
+    if hf.config._attn_implementation == "sdpa":
+        assert rel(ours[1, pads], theirs[1, pads]) < 1e-5
     assert_same_step(model, hf, ids, labels, attention_mask=mask)
 
 
-def test_packed_documents_match_hf_and_each_document_alone() -> None:
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_documents_match_hf_and_each_document_alone(family: str) -> None:
     # transformers masks packed documents only without a cache (training): with `use_cache` on
     # (its config's default) it skips the detection and attends across documents.
-    hf = hf_model("llama", use_cache=False)
+    hf = hf_model(family, use_cache=False, **FAMILIES[family])
     model = coda.models.from_hf(hf)
     ids, labels = ids_and_labels()
     lengths = [[5, 4, 3], [SEQ]]  # row 0: three documents, row 1: one

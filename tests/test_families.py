@@ -30,12 +30,26 @@ CONFIGS = transformers.CONFIG_MAPPING
 # The tiny models each supported (family, entry point) is checked on below; every supported family
 # must appear here (test_every_causal_lm_family_is_supported_and_tested_or_refused).
 FROM_HF_CASES = {
-    "llama": dict(tie_word_embeddings=True),
+    "llama": dict(tie_word_embeddings=True, pad_token_id=0),  # token 0 is in batch(): its row gets no lookup gradient
     "mistral": dict(sliding_window=4),  # a window shorter than the sequence
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
     # QK-norm (q_norm, k_norm perturbed like every norm), tied, layer 1 windowed; head_dim 16, not 128
     "qwen3": dict(head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
                   max_window_layers=1),
+    # (1 + w) norms, sandwich norms, GeGLU, embedding scale, QK-norm, tied; a window shorter than the
+    # sequence on layer 0 with its own RoPE base, layer 1 global with linear RoPE scaling (Gemma 3 4B's);
+    # query_pre_attn_scalar
+    "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
+                        layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e4,
+                                                            "factor": 8.0}}),
+    # Gemma 3's layer without QK-norm, with attention scores and final logits capped (0.5: these tiny
+    # logits are small), run against HF's eager attention (its default: SDPA cannot cap)
+    "gemma2": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6, final_logit_softcapping=0.5,
+                   attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]),
+    # fused qkv_proj and gate_up_proj; a window shorter than the sequence; the default pad id is past VOCAB
+    "phi3": dict(sliding_window=4, pad_token_id=0),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -217,11 +231,13 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
         coda.patch(bare)
 
 
-def test_qwen2_bf16_error_is_within_hf_bf16_error() -> None:
-    """The q/k/v biases in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16
-    loss and gradients are no further off than HF's own bf16 run (the bound of test_llama_model's
-    bf16 test: twice HF's error, plus a bf16 ulp, for the different rounding points)."""
-    hf32 = hf_model("qwen2")
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gemma2", "phi3"])
+def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
+    """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
+    layout in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
+    gradients are no further off than HF's own bf16 run (the bound of test_llama_model's bf16 test:
+    twice HF's error, plus a bf16 ulp, for the different rounding points)."""
+    hf32 = hf_model(model_type, **FROM_HF_CASES[model_type])
     hf32.to(torch.bfloat16).float()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     model = coda.models.from_hf(hf16)
@@ -231,6 +247,33 @@ def test_qwen2_bf16_error_is_within_hf_bf16_error() -> None:
     for name, g in ref.items():
         hf_err, err = rel(hf[name], g), rel(ours[name], g)
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "phi3"])
+def test_from_hf_logits_match_hf(model_type: str) -> None:
+    """Without labels the model returns HF's logits (Gemma 2's capped)."""
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type])
+    ids, _ = batch()
+    with torch.no_grad():
+        assert rel(coda.models.from_hf(hf)(ids).logits, hf(input_ids=ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
+def test_gemma_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
+    """The sandwich norms' row passes and the capped attention trace whole (fullgraph) and recompute
+    under activation checkpointing: the eager loss and gradients."""
+    torch._dynamo.reset()
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type])
+    eager = run(coda.models.from_hf(hf), lambda m: m.to_hf_state_dict(grads=True))
+    for model in (torch.compile(coda.models.from_hf(hf), fullgraph=True, backend="eager"),
+                  coda.models.from_hf(hf, checkpoint=True)):
+        inner = getattr(model, "_orig_mod", model)
+        ids, labels = batch()
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        assert abs(out.loss.item() - eager[0].item()) < 1e-6 * abs(eager[0].item())
+        for name, g in inner.to_hf_state_dict(grads=True).items():
+            assert rel(g.double(), eager[1][name]) < 1e-6, name
 
 
 def test_from_hf_reads_every_weight() -> None:

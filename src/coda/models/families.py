@@ -24,7 +24,7 @@ IRRELEVANT = frozenset({
     "_name_or_path", "transformers_version", "model_type", "architectures", "dtype", "torch_dtype",
     "output_attentions", "output_hidden_states", "return_dict", "use_cache", "is_encoder_decoder",
     "chunk_size_feed_forward", "problem_type", "id2label", "label2id", "tokenizer_class",
-    "pad_token_id", "bos_token_id", "eos_token_id", "max_position_embeddings", "initializer_range",
+    "bos_token_id", "eos_token_id", "max_position_embeddings", "initializer_range",
     # Where remote code for the family lives: read only with trust_remote_code, and a model built from
     # it is refused by `foreign_code` (checkpoints on the Hub carry it beside transformers' own code).
     "auto_map",
@@ -46,29 +46,38 @@ def _any(_: Any) -> bool:
     return True
 
 
+LAYER_TYPES_NAMES = ("full_attention", "sliding_attention")
+
+
 def _rope_ok(rope: Any) -> bool:
     """The RoPE coda's epilogues compute (llama_block.inv_freq): theta^(-2i/d) over the whole head,
-    optionally with Llama 3's frequency rule, and nothing else (no partial rotary, no other type)."""
+    plain or with transformers' "linear" or "llama3" frequency rule, and nothing else (no partial
+    rotary, no other type); one such per layer type where the config gives one per type (Gemma 3)."""
     if rope is None:
         return True
     if not isinstance(rope, Mapping):
         return False
+    if rope and set(rope) <= set(LAYER_TYPES_NAMES):
+        return all(isinstance(r, Mapping) and _rope_ok(r) for r in rope.values())
     kind = rope.get("rope_type", rope.get("type", "default"))
-    keys = {"rope_type", "type", "rope_theta"}
+    keys = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if kind == "llama3":
         keys |= {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    elif kind == "linear":
+        keys |= {"factor"}
     elif kind != "default":
         return False
-    return set(rope) <= keys
+    return set(rope) <= keys and rope.get("partial_rotary_factor", 1) in (None, 1)
 
 
 ANY = Rule(_any, "any value")
-# Fields any value of which coda computes as HF does: sizes, the norms' eps, a tied LM head.
+# Fields any value of which coda computes as HF does: sizes, the norms' eps, a tied LM head, the
+# embedding's padding_idx (the row lookups never update: coda's own model reads pad_token_id too).
 SHAPE = {name: ANY for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                "num_attention_heads", "rms_norm_eps", "tie_word_embeddings")}
+                                "num_attention_heads", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")}
 SILU = Rule(lambda v: v == "silu", "'silu' (SwiGLU)")
 NO_BIAS = Rule(lambda v: not v, "False")
-ROPE = Rule(_rope_ok, "rope_type 'default' or 'llama3' over the whole head", frozenset({FROM_HF}))
+ROPE = Rule(_rope_ok, "rope_type 'default', 'linear' or 'llama3' over the whole head", frozenset({FROM_HF}))
 # Dropout changes training math: coda's own model has none; coda.patch keeps HF's modules that apply it.
 NO_DROPOUT = Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF}))
 # Attention-only fields: coda.patch keeps HF's attention, so only coda's own model must handle them.
@@ -94,7 +103,8 @@ class Family:
     fields: Mapping[str, Rule]
     qkv_bias: bool = False  # its q/k/v projections always carry biases (Qwen2), whatever the config says
     qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
-    gemma: bool = False  # Gemma 3's decoder layer: (1 + w) norms, sandwich norms, a GeGLU MLP
+    gemma: bool = False  # Gemma 2/3's decoder: (1 + w) norms, sandwich norms, a GeGLU MLP, the embedding scaled
+    fused_projections: bool = False  # one qkv_proj and one gate_up_proj ([gate; up] rows) per layer (Phi-3)
 
 
 _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
@@ -103,29 +113,32 @@ _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
           "pretraining_tp": Rule(lambda v: v in (None, 1), "1")}
 # Sliding windows, per layer: masks.py; Qwen2's q/k/v biases: Family.qkv_bias; Qwen3's QK-norm:
 # Family.qk_norm (coda.patch keeps HF's attention, which computes it).
-LAYER_TYPES = Rule(lambda v: v is None or set(v) <= {"full_attention", "sliding_attention"},
+LAYER_TYPES = Rule(lambda v: v is None or set(v) <= set(LAYER_TYPES_NAMES),
                    "'full_attention' and 'sliding_attention' layers")
 _WINDOWS = {"sliding_window": ANY,
             # Qwen2/3: these set sliding_window and layer_types, which the model reads.
             "use_sliding_window": DERIVED, "max_window_layers": DERIVED,
             "layer_types": _attention_only(LAYER_TYPES)}
 
-# Gemma 2 and 3: coda.patch runs their norms ((1 + w), with the sandwich norms), its GeGLU MLP and its LM head;
-# everything else below is HF's attention (QK-norm, query_pre_attn_scalar, per-layer-type RoPE,
-# windows, logit softcapping of the scores), so it is marked for coda's own model, which does not
-# take gemma3_text yet (FAMILIES' entries): adding FROM_HF means handling each of these there.
+# Gemma 2 and 3. coda.patch runs their norms ((1 + w), with the sandwich norms), the GeGLU MLP and the
+# LM head, and keeps HF's attention (QK-norm, query_pre_attn_scalar, per-layer-type RoPE, windows,
+# score softcapping), so those fields are coda's own model's alone (LlamaConfig.from_hf reads them).
+POSITIVE_OR_NONE = Rule(lambda v: v is None or (isinstance(v, (int, float)) and 0 < v < float("inf")),
+                        "None or a positive number")
 _GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sliding_window": ANY,
-           "layer_types": _attention_only(LAYER_TYPES),
-           "hidden_activation": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
-           # c * tanh(logits / c) before the loss: linear_cross_entropy's softcap, and on the logits.
-           "final_logit_softcapping": Rule(lambda v: v is None or (isinstance(v, (int, float)) and 0 < v < float("inf")),
-                                           "None or a positive cap"),
-           **{name: _attention_only(ANY) for name in (
-               "query_pre_attn_scalar", "attn_logit_softcapping", "use_bidirectional_attention",
-               "rope_local_base_freq")},
-           # Read when the config is built (older transformers spell the window pattern without the
-           # underscore and name generate()'s cache class): no model math reads them.
-           "_sliding_window_pattern": DERIVED, "sliding_window_pattern": DERIVED, "cache_implementation": DERIVED}
+          "layer_types": _attention_only(LAYER_TYPES),
+          "hidden_activation": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
+          # c * tanh(logits / c) before the loss: linear_cross_entropy's softcap, and on the logits.
+          "final_logit_softcapping": POSITIVE_OR_NONE,
+          "query_pre_attn_scalar": _attention_only(Rule(lambda v: isinstance(v, (int, float)) and v > 0,
+                                                        "a positive number")),
+          "attn_logit_softcapping": _attention_only(POSITIVE_OR_NONE),
+          # Gemma 3 as an encoder (EmbeddingGemma): attention is not causal.
+          "use_bidirectional_attention": _attention_only(Rule(lambda v: not v, "False (causal attention)")),
+          "rope_local_base_freq": _attention_only(ANY),  # older transformers' sliding-layer RoPE base
+          # Read when the config is built (older transformers spell the window pattern without the
+          # underscore and name generate()'s cache class): no model math reads them.
+          "_sliding_window_pattern": DERIVED, "sliding_window_pattern": DERIVED, "cache_implementation": DERIVED}
 # Phi-3: fused qkv_proj (inside HF's attention) and gate_up_proj ([gate; up] rows: coda.patch passes
 # the two halves as views). Its dropout stays HF's under coda.patch: the decoder layer, which patch
 # keeps, applies resid_pdrop around coda's MLP output, and HF's Phi3Model reads embd_pdrop nowhere.
@@ -145,9 +158,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
                            **_WINDOWS}, qk_norm=True),
-    Family("gemma2", frozenset({PATCH}), _GEMMA, gemma=True),  # Gemma 3's layer without QK-norm
-    Family("gemma3_text", frozenset({PATCH}), _GEMMA, gemma=True),
-    Family("phi3", frozenset({PATCH}), _PHI3),
+    Family("gemma2", BOTH, _GEMMA, gemma=True),  # Gemma 3's layer without QK-norm
+    Family("gemma3_text", BOTH, _GEMMA, gemma=True, qk_norm=True),
+    Family("phi3", BOTH, _PHI3, fused_projections=True),
     Family("olmo2", frozenset({PATCH}), _OLMO2),
 )}
 

@@ -13,7 +13,6 @@ forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,10 +23,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from ..ops.rmsnorm import rmsnorm
 from .families import FAMILIES, FROM_HF, foreign_code, problems
 from .llama_block import NativeBlockWeights, block_segment
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build, documents, padding
+from .sandwich import sandwich_residual
 
 
 @dataclass(frozen=True)
@@ -43,22 +44,52 @@ class LlamaConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: tuple[float, float, float, float] | None = None  # Llama 3: factor, low, high, original max pos
+    rope_scaling: tuple[float, ...] | None = None  # inv_freq's: linear (factor,), Llama 3's (factor, low, high, old len)
     tie_word_embeddings: bool = False
+    pad_token_id: int | None = None  # the embedding row that lookups never update (HF's padding_idx)
     sliding_window: int | None = None  # keys within this distance (the query included), on windowed layers
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None: all windowed
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
     qk_norm: bool = False  # each q and k head RMS-normalized (own [head_dim] weights, rms_norm_eps) before RoPE (Qwen3)
+    # Gemma 2/3: norms scale by (1 + w); sandwich norms on the attention and MLP outputs (sandwich.py);
+    # GeGLU (tanh GELU) for SwiGLU; the embedding scaled by sqrt(hidden_size) in the model dtype.
+    gemma: bool = False
+    local_rope: tuple[float, tuple[float, ...] | None] | None = None  # (theta, scaling) of sliding layers (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim's
+    attn_softcap: float | None = None  # attention scores c * tanh(s / c) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # logits c * tanh(l / c) before the loss (Gemma 2)
+    fused_projections: bool = False  # HF holds one qkv_proj and one gate_up_proj per layer (Phi-3): names only
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def activation(self) -> str:
+        """The MLP's gate activation (ops.rmsnorm_gated_mlp)."""
+        return "gelu_tanh" if self.gemma else "silu"
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full causal attention)."""
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def rope(self, layer: int) -> tuple[float, tuple[float, ...] | None]:
+        """Layer `layer`'s RoPE (theta, scaling): Gemma 3's sliding layers have their own."""
+        if self.local_rope is not None and self.layer_types is not None \
+                and self.layer_types[layer] == "sliding_attention":
+            return self.local_rope
+        return self.rope_theta, self.rope_scaling
+
+    def gain(self, w: torch.Tensor) -> torch.Tensor:
+        """The scale a norm weight stands for: w, or Gemma's 1 + w in fp32 (HF's Gemma norm scales in
+        fp32 and rounds once, as coda's ops do; the gradient maps back to w unchanged)."""
+        return 1.0 + w.float() if self.gemma else w
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
@@ -68,21 +99,47 @@ class LlamaConfig:
         if found:
             raise ValueError("coda.models.from_hf cannot compute this model as transformers does: " + "; ".join(found))
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        scaling = None
-        if rope.get("rope_type", rope.get("type", "default")) == "llama3":
-            scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                       float(rope["original_max_position_embeddings"]))
-        heads = config.num_attention_heads
+        default_theta = getattr(config, "rope_theta", 10000.0)
+        local = None
+        if "full_attention" in rope or "sliding_attention" in rope:  # one RoPE per layer type (Gemma 3)
+            if "sliding_attention" in rope:
+                local = _rope(rope["sliding_attention"], default_theta)
+            rope = rope.get("full_attention", {})
+        elif getattr(config, "rope_local_base_freq", None) is not None:  # older transformers' Gemma 3
+            local = (float(config.rope_local_base_freq), None)
+        theta, scaling = _rope(rope, default_theta)
+        heads, family = config.num_attention_heads, FAMILIES[config.model_type]
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                    num_attention_heads=heads, num_key_value_heads=config.num_key_value_heads or heads,
                    head_dim=getattr(config, "head_dim", None), rms_norm_eps=float(config.rms_norm_eps),
-                   rope_theta=float(theta), rope_scaling=scaling,
+                   rope_theta=theta, rope_scaling=scaling,
                    tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   pad_token_id=getattr(config, "pad_token_id", None),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   qkv_bias=FAMILIES[config.model_type].qkv_bias, qk_norm=FAMILIES[config.model_type].qk_norm)
+                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.gemma, local_rope=local,
+                   fused_projections=family.fused_projections,
+                   query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
+                   attn_softcap=_number(config, "attn_logit_softcapping"),
+                   final_softcap=_number(config, "final_logit_softcapping"))
+
+
+def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] | None]:
+    """(theta, scaling) from one transformers RoPE dict (families._rope_ok has vetted its type)."""
+    theta = float(params.get("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "llama3":
+        return theta, tuple(float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings"))
+    if kind == "linear":
+        return theta, (float(params["factor"]),)
+    return theta, None
+
+
+def _number(config, name: str) -> float | None:
+    value = getattr(config, name, None)
+    return None if value is None else float(value)
 
 
 class AttnParams(NamedTuple):
@@ -115,14 +172,18 @@ class LlamaLayer(nn.Module):
     i+1's QKV gradient would only appear after layer i+1 had been resharded and reduced. Layer 0's
     input norm and QKV projection (the first segment) live on the model."""
 
-    def __init__(self, c: LlamaConfig, *, last: bool, **factory: object) -> None:
+    def __init__(self, c: LlamaConfig, *, index: int, **factory: object) -> None:
         super().__init__()
         d, f, hd = c.hidden_size, c.intermediate_size, c.dim_per_head
-        self.config = c
+        last = index == c.num_hidden_layers - 1
+        self.config, self.index = c, index
         self.wo = nn.Parameter(torch.empty(d, c.num_attention_heads * hd, **factory))
-        self.ffn_norm = nn.Parameter(torch.ones(d, **factory))
+        # Gemma's sandwich norms on the attention and MLP outputs (None elsewhere).
+        self.post_attn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma else None
+        self.ffn_norm = nn.Parameter(torch.ones(d, **factory))  # the norm in front of the MLP
         self.w_gate_up = nn.Parameter(torch.empty(2 * f, d, **factory))
         self.w_down = nn.Parameter(torch.empty(d, f, **factory))
+        self.post_ffn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma else None
         # Layer i+1's input norm and fused, pair-permuted QKV projection (none after the last layer).
         self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
@@ -133,11 +194,13 @@ class LlamaLayer(nn.Module):
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
         q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
-        scale, gqa = 1.0 / math.sqrt(hd), h != kv
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if c.attn_softcap is not None:
+            out = softcapped_attention(q, k, v, mask, c.attn_scale, c.attn_softcap)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.attn_scale, enable_gqa=h != kv)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=c.attn_scale,
+                                                 enable_gqa=h != kv)
             if mask.live is not None:
                 out = out.masked_fill(~mask.live, 0.0)
         return out.transpose(1, 2).reshape(batch * seq, h * hd)
@@ -150,18 +213,59 @@ class LlamaLayer(nn.Module):
         `mask`: this layer's attention mask (masks.py; None: causal)."""
         c = self.config
         attn = self._attention(qkv, batch, seq, mask)
+        if self.next_w_qkv is None and final_norm is None:
+            raise ValueError("the last LlamaLayer needs the model's final norm weight")
+        if c.gemma:
+            x2 = sandwich_residual(attn, x, self.wo, c.gain(self.post_attn_norm), c.gain(self.ffn_norm),
+                                   self.w_gate_up, self.w_down, c.gain(self.post_ffn_norm), c.rms_norm_eps,
+                                   c.activation)
+            if self.next_w_qkv is None:
+                return rmsnorm(x2, c.gain(final_norm), c.rms_norm_eps), None
+            return x2, qkv_segment(c, self.index + 1, x2, pos, self.next_attn_norm, self.next_w_qkv, self.next_b_qkv,
+                                   self.next_q_norm, self.next_k_norm)
         if self.next_w_qkv is None:
-            if final_norm is None:
-                raise ValueError("the last LlamaLayer needs the model's final norm weight")
             return last_segment(attn, x, self.wo, self.ffn_norm, self.w_gate_up, self.w_down, final_norm,
                                 c.rms_norm_eps), None
+        theta, scaling = c.rope(self.index + 1)
         w = NativeBlockWeights(wo=self.wo, g_ffn=self.ffn_norm, w_gate_up=self.w_gate_up, w_down=self.w_down,
                                g_attn=self.next_attn_norm, w_qkv=self.next_w_qkv, n_heads=c.num_attention_heads,
-                               n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                               rope_scaling=None if c.rope_scaling is None else list(c.rope_scaling),
+                               n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta,
+                               rope_scaling=None if scaling is None else list(scaling),
                                b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv],
                                qk_norm=[] if self.next_q_norm is None else [self.next_q_norm, self.next_k_norm])
         return block_segment(attn, x, pos, w)
+
+
+def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, attn_norm: torch.Tensor,
+                w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None) -> torch.Tensor:
+    """Layer `layer`'s qkv from the residual stream x as `first_segment` (its input norm's row pass,
+    then the QKV GEMM with RoPE, the biases or QK-norm in its epilogue): layer 0's, and every
+    layer's after a Gemma layer (whose sandwich norm ends in a row pass)."""
+    theta, scaling = c.rope(layer)
+    return first_segment(x, pos, c.gain(attn_norm), w_qkv, n_heads=c.num_attention_heads,
+                         n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta, rope_scaling=scaling,
+                         b_qkv=b_qkv, qk_norm=None if q_norm is None else (c.gain(q_norm), c.gain(k_norm)))
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention whose scores are capped, c * tanh(s / c), before the mask and the softmax (Gemma 2).
+    No SDPA kernel applies a function to the scores, so this materializes them ([B, H, S, S]) as
+    transformers' eager attention does (Gemma 2's only one): the mask added as 0 or the dtype's
+    lowest value, the softmax in fp32. So a query with no key (left padding) averages every value,
+    and gradients flow as there. q: [B, H, S, hd]; k, v: [B, KV, S, hd]."""
+    seq = q.shape[2]
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H / KV q heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / cap) * cap
+    idx = torch.arange(seq, device=q.device)
+    allowed = (idx[None, :] <= idx[:, None]) if mask is None else mask.allowed
+    if mask is not None and mask.live is not None:  # masks.py lets a query with no key see itself: undo
+        allowed = allowed & mask.live
+    scores = scores + torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
+        ~allowed, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _qkv_rows(c: LlamaConfig) -> int:
@@ -207,21 +311,21 @@ class LlamaForCausalLM(nn.Module):
         self.first_w_qkv = nn.Parameter(torch.empty(_qkv_rows(c), c.hidden_size, **factory))  # and QKV projection
         self.first_b_qkv = nn.Parameter(torch.zeros(_qkv_rows(c), **factory)) if c.qkv_bias else None
         self.first_q_norm, self.first_k_norm = _qk_norms(c, **factory)
-        self.layers = nn.ModuleList(LlamaLayer(c, last=i == n - 1, **factory) for i in range(n))
+        self.layers = nn.ModuleList(LlamaLayer(c, index=i, **factory) for i in range(n))
         self.norm = nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size,
                                                                                    **factory))
         self.init_weights(initializer_range)
 
     def init_weights(self, initializer_range: float = 0.02) -> None:
-        """Matrices ~ N(0, initializer_range), norm weights 1, biases 0 (as in __init__; for a model
-        built on the meta device and materialized with to_empty)."""
+        """Matrices ~ N(0, initializer_range), biases 0, norms the identity: weights 1, or 0 for
+        Gemma's (1 + w) (for a model built on the meta device and materialized with to_empty)."""
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if p.dim() == 2:
                     p.normal_(0.0, initializer_range)
                 else:
-                    p.fill_(0.0 if name.endswith("b_qkv") else 1.0)
+                    p.fill_(0.0 if name.endswith("b_qkv") or self.config.gemma else 1.0)
 
     def _attn_params(self, i: int) -> AttnParams:
         """HF layer i's input norm, fused QKV weight and bias, q and k norms (held by the model for
@@ -254,11 +358,22 @@ class LlamaForCausalLM(nn.Module):
         model.load_hf_state_dict(sd)
         return model
 
+    def _layer_norms(self, i: int) -> dict[str, nn.Parameter]:
+        """HF layer i's norms after attention by HF name, in HF's order: Llama's norm in front of the
+        MLP is its post-attention norm; Gemma's post-attention norm is a sandwich norm."""
+        layer = self.layers[i]
+        if not self.config.gemma:
+            return {"post_attention_layernorm": layer.ffn_norm}
+        return {"post_attention_layernorm": layer.post_attn_norm, "pre_feedforward_layernorm": layer.ffn_norm,
+                "post_feedforward_layernorm": layer.post_ffn_norm}
+
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named, HF-layout weights into this model's parameters (unsharded parameters:
         load before fully_shard). Every weight is read: ValueError for one missing or one left
         over (a bias, an extra norm: something this model would not compute)."""
         c, hd = self.config, self.config.dim_per_head
+        nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        fused = c.fused_projections
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
@@ -266,6 +381,18 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"coda.models.from_hf: the state dict has no {name!r}")
             used.add(name)
             return sd[name]
+
+        def qkv_rows(p: str, what: str) -> list[torch.Tensor]:
+            """q, k, v rows of the projection (`what`: weight or bias), q and k pair-permuted."""
+            if fused:
+                q, k, v = take(p + f"self_attn.qkv_proj.{what}").split([nq, nk, nk])
+            else:
+                q, k, v = (take(p + f"self_attn.{x}_proj.{what}") for x in "qkv")
+            if what == "bias":
+                q, k, v = q[:, None], k[:, None], v[:, None]
+            rows = torch.cat([permute_rope_rows(q, c.num_attention_heads, hd),
+                              permute_rope_rows(k, c.num_key_value_heads, hd), v])
+            return rows if what == "weight" else rows[:, 0]
 
         with torch.no_grad():
             self.embed_tokens.copy_(take("model.embed_tokens.weight"))
@@ -278,22 +405,18 @@ class LlamaForCausalLM(nn.Module):
                 p = f"model.layers.{i}."
                 attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(i)
                 attn_norm.copy_(take(p + "input_layernorm.weight"))
-                w_qkv.copy_(torch.cat([
-                    permute_rope_rows(take(p + "self_attn.q_proj.weight"), c.num_attention_heads, hd),
-                    permute_rope_rows(take(p + "self_attn.k_proj.weight"), c.num_key_value_heads, hd),
-                    take(p + "self_attn.v_proj.weight")]))
+                w_qkv.copy_(qkv_rows(p, "weight"))
                 if b_qkv is not None:  # permuted like the rows they add to
-                    b_qkv.copy_(torch.cat([
-                        permute_rope_rows(take(p + "self_attn.q_proj.bias")[:, None], c.num_attention_heads, hd),
-                        permute_rope_rows(take(p + "self_attn.k_proj.bias")[:, None], c.num_key_value_heads, hd),
-                        take(p + "self_attn.v_proj.bias")[:, None]])[:, 0])
+                    b_qkv.copy_(qkv_rows(p, "bias"))
                 if q_norm is not None:  # HF order (the QKV epilogue permutes them: ops.qknorm_columns)
                     q_norm.copy_(take(p + "self_attn.q_norm.weight"))
                     k_norm.copy_(take(p + "self_attn.k_norm.weight"))
-                layer.ffn_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                for name, norm in self._layer_norms(i).items():
+                    norm.copy_(take(f"{p}{name}.weight"))
                 layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.w_gate_up.copy_(interleave_gate_up(take(p + "mlp.gate_proj.weight"),
-                                                         take(p + "mlp.up_proj.weight")))
+                gate, up = take(p + "mlp.gate_up_proj.weight").chunk(2) if fused else \
+                    (take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
+                layer.w_gate_up.copy_(interleave_gate_up(gate, up))
                 layer.w_down.copy_(take(p + "mlp.down_proj.weight"))
         unused = sorted(set(sd) - used)
         if unused:
@@ -307,6 +430,7 @@ class LlamaForCausalLM(nn.Module):
         Under FSDP2 the shards are gathered whole (a collective: call it on every rank)."""
         c, hd = self.config, self.config.dim_per_head
         nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        fused = c.fused_projections
 
         def split_qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             """Rows of the fused [P q; P k; v] layout as HF's q, k, v (rows unpermuted)."""
@@ -323,20 +447,23 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn_norm, w_qkv, b_qkv, q_norm, k_norm = (None if t is None else get(t) for t in self._attn_params(i))
             gate, up = split_gate_up(get(layer.w_gate_up))
-            biases = [None] * 3 if b_qkv is None else [b[:, 0] for b in split_qkv(b_qkv[:, None])]
-            for proj, w, b in zip("qkv", split_qkv(w_qkv), biases):  # HF's order: a weight, then its bias
-                sd[f"{p}self_attn.{proj}_proj.weight"] = w
-                if b is not None:
-                    sd[f"{p}self_attn.{proj}_proj.bias"] = b
-            sd[p + "self_attn.o_proj.weight"] = get(layer.wo)
-            if q_norm is not None:
-                sd.update({p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm})
-            sd.update({
-                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": get(layer.w_down),
-                p + "input_layernorm.weight": attn_norm,
-                p + "post_attention_layernorm.weight": get(layer.ffn_norm),
-            })
+            if fused:  # Phi-3's order: o_proj, then the fused projections
+                sd[p + "self_attn.o_proj.weight"] = get(layer.wo)
+                sd[p + "self_attn.qkv_proj.weight"] = torch.cat(split_qkv(w_qkv))
+                sd[p + "mlp.gate_up_proj.weight"] = torch.cat([gate, up])
+            else:
+                biases = [None] * 3 if b_qkv is None else [b[:, 0] for b in split_qkv(b_qkv[:, None])]
+                for proj, w, b in zip("qkv", split_qkv(w_qkv), biases):  # HF's order: a weight, then its bias
+                    sd[f"{p}self_attn.{proj}_proj.weight"] = w
+                    if b is not None:
+                        sd[f"{p}self_attn.{proj}_proj.bias"] = b
+                sd[p + "self_attn.o_proj.weight"] = get(layer.wo)
+                if q_norm is not None:
+                    sd.update({p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm})
+                sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
+            sd[p + "mlp.down_proj.weight"] = get(layer.w_down)
+            sd[p + "input_layernorm.weight"] = attn_norm
+            sd.update({f"{p}{name}.weight": get(norm) for name, norm in self._layer_norms(i).items()})
         sd["model.norm.weight"] = get(self.norm)
         sd["lm_head.weight"] = get(self.embed_tokens if self.lm_head is None else self.lm_head)
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
@@ -362,11 +489,10 @@ class LlamaForCausalLM(nn.Module):
         pad = padding(attention_mask)
         masks = {w: build(batch, seq, input_ids.device, padding=pad, docs=docs, window=w)
                  for w in {c.window(i) for i in range(c.num_hidden_layers)}}
-        x = F.embedding(input_ids.reshape(-1), self.embed_tokens)
-        qkv = first_segment(x, pos, self.first_attn_norm, self.first_w_qkv, n_heads=c.num_attention_heads,
-                            n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=c.rope_theta,
-                            rope_scaling=c.rope_scaling, b_qkv=self.first_b_qkv,
-                            qk_norm=None if self.first_q_norm is None else (self.first_q_norm, self.first_k_norm))
+        x = F.embedding(input_ids.reshape(-1), self.embed_tokens, padding_idx=c.pad_token_id)
+        if c.gemma:  # HF's scale: sqrt(D) as an fp32 number, rounded to the embedding's dtype
+            x = x * torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+        qkv = qkv_segment(c, 0, x, pos, *self._attn_params(0))
         for i, layer in enumerate(self.layers):
             mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its
@@ -377,9 +503,12 @@ class LlamaForCausalLM(nn.Module):
                 x, qkv = layer(x, qkv, pos, batch, seq, self.norm, mask)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if labels is None:
-            return CausalLMOutput(logits=F.linear(x, head).view(batch, seq, -1))
+            logits = F.linear(x, head).view(batch, seq, -1)
+            if c.final_softcap is not None:  # as HF rounds it: in the logits' dtype
+                logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+            return CausalLMOutput(logits=logits)
         target = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)  # HF's shift: token t predicts t + 1
-        return CausalLMOutput(loss=linear_cross_entropy(x, head, target))
+        return CausalLMOutput(loss=linear_cross_entropy(x, head, target, softcap=c.final_softcap))
 
 
 def from_hf(hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:

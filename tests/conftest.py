@@ -64,6 +64,13 @@ def token_batch(vocab: int, seq: int, batch: int = 2) -> tuple[torch.Tensor, tor
     return ids, labels
 
 
+def attention(config: object) -> str | None:
+    """The attention a transformers test model runs: eager where the config caps attention scores
+    (Gemma 2), since transformers before 5.2x ran Gemma 2 under SDPA by default, which drops the cap
+    (the reference semantics are the capped scores); the class's default otherwise."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else None
+
+
 def randn(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device = DEVICE) -> torch.Tensor:
     return torch.randn(*shape, device=device).to(dtype)
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import coda  # noqa: E402
 from coda.models import LlamaForCausalLM  # noqa: E402
-from conftest import DEVICE, rel  # noqa: E402
+from conftest import DEVICE, attention, rel  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -35,7 +35,8 @@ FAMILIES = {
 def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.CONFIG_MAPPING[model_type](**SHAPE, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device=DEVICE, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
+    model = model.to(device=DEVICE, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*cmd: str, **env: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **env}
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, **env}  # (the caller's path kept: the device installs wheels there)
     proc = subprocess.run([sys.executable, *cmd], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout

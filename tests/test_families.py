@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import coda  # noqa: E402
 from coda.models import families  # noqa: E402
 from coda.models.families import FROM_HF, PATCH  # noqa: E402
-from conftest import DEVICE, rel, token_batch  # noqa: E402
+from conftest import DEVICE, attention, rel, token_batch  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -70,8 +71,10 @@ PATCH_CASES = {
     "phi3": dict(sliding_window=4, original_max_position_embeddings=4, partial_rotary_factor=0.5, pad_token_id=0,
                  rope_parameters=dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.5,
                                       short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])),
-    # norms on the attention and MLP outputs; HF's attention: whole-width q/k norms, q/k/v/o biases
-    "olmo2": dict(attention_bias=True, tie_word_embeddings=True),
+    # norms on the attention and MLP outputs; HF's attention: whole-width q/k norms, q/k/v/o biases;
+    # weights of std 0.2, not 0.02: at init scale the attention's output is so small that the q/k
+    # gradients (~1e-6) are under bf16's noise, HF's own bf16 run 1-7x off in them, no measure of coda's
+    "olmo2": dict(attention_bias=True, tie_word_embeddings=True, initializer_range=0.2),
 }
 
 
@@ -96,7 +99,8 @@ def default_config(model_type: str) -> object:
 def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
     torch.manual_seed(0)
     config = CONFIGS[model_type](**SHAPE, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device=DEVICE, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
+    model = model.to(device=DEVICE, dtype=torch.float32)
     with torch.no_grad():  # HF starts norms at ones and biases at zeros: make them matter
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
@@ -256,6 +260,18 @@ def test_from_hf_logits_match_hf(model_type: str) -> None:
     ids, _ = batch()
     with torch.no_grad():
         assert rel(coda.models.from_hf(hf)(ids).logits, hf(input_ids=ids).logits) < 1e-5
+
+
+def test_from_hf_warns_where_transformers_runs_gemma2_uncapped() -> None:
+    """transformers 5.17 ran Gemma 2 under SDPA by default, which ignores attn_logit_softcapping:
+    coda computes the config's capped scores (eager's), and says that the HF model it read differs."""
+    hf = hf_model("gemma2", **FROM_HF_CASES["gemma2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        coda.models.from_hf(hf)  # eager: no warning
+    hf.config._attn_implementation = "sdpa"
+    with pytest.warns(UserWarning, match="attn_implementation='sdpa', which ignores attn_logit_softcapping=2.0"):
+        coda.models.from_hf(hf)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])

@@ -13,6 +13,7 @@ forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -350,6 +351,12 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(getattr(hf_model, "lm_head", None), nn.Linear) or hf_model.lm_head.bias is not None:
             raise ValueError(f"coda.models.from_hf: {type(hf_model).__name__} is not a causal LM with a bias-free "
                              f"lm_head (model_type {hf_model.config.model_type!r}: pass its *ForCausalLM model)")
+        attention = getattr(hf_model.config, "_attn_implementation", None)
+        if config.attn_softcap is not None and attention not in (None, "eager"):
+            warnings.warn(f"coda.models.from_hf: transformers runs this {type(hf_model).__name__} with attn_implementation="
+                          f"{attention!r}, which ignores attn_logit_softcapping={config.attn_softcap}; coda caps the "
+                          "attention scores as the config says (as transformers' eager attention does), so the two "
+                          "models differ", stacklevel=2)
         sd = hf_model.state_dict()
         ref = sd["model.embed_tokens.weight"]
         with torch.device("meta"):

@@ -42,8 +42,9 @@ def hf_model(kind: str, **kw):
 
 
 
-# Swapped per layer: Llama's input norm and norm + MLP; Gemma's also its two sandwich norms.
-SWAPPED_PER_LAYER = {"llama": 2, "mistral": 2, "gemma2": 4, "gemma3_text": 4}
+# Swapped per layer: Llama's input norm and norm + MLP; Gemma's also its two sandwich norms, Gemma 3's
+# also its q and k norms.
+SWAPPED_PER_LAYER = {"llama": 2, "mistral": 2, "gemma2": 4, "gemma3_text": 6}
 
 
 @pytest.mark.parametrize("kind", sorted(SWAPPED_PER_LAYER))

@@ -14,14 +14,16 @@ What runs through coda:
   the input norm, whose output feeds HF's three separate q/k/v projections, so it cannot move into
   one GEMM, and Gemma's sandwich norms on the attention and MLP outputs, which need a whole row of
   the GEMM output before the residual add;
+* the attention's q and k norms (Qwen3's and Gemma 3's per head, OLMo 2's whole-width):
+  `coda.ops.rmsnorm`;
 * the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
   materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
 Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32. What stays HF's: the embedding
 (with Gemma's scale), the q/k/v projections (three separate projections inside HF's attention,
 which coda does not rewrite), RoPE and attention, with whatever the family does there (Qwen2's q/k/v
-biases, Qwen3's and Gemma 3's QK-norm, sliding windows, Gemma's per-layer-type RoPE and attention
-scale). Which families and config fields fit: families.py.
+biases, sliding windows, Gemma's per-layer-type RoPE and attention scale). Which families and config
+fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
 of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. Families whose decoder layer
@@ -105,8 +107,22 @@ def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
         norm._coda_unit_offset = False
         norm.forward = types.MethodType(_norm, norm)
         swapped.append(f"model.layers.{i}.{name} -> coda.ops.rmsnorm")
+    swapped += _patch_qk_norms(i, layer, False)  # (whole-width: over all heads' q, and all k)
     layer.mlp.forward = types.MethodType(_olmo2_mlp_forward, layer.mlp)
     return swapped + [f"model.layers.{i}.mlp -> coda.ops.swiglu_mlp"]
+
+
+def _patch_qk_norms(i: int, layer: nn.Module, gemma: bool) -> list[str]:
+    """The attention's q and k norms (Qwen3's and Gemma 3's per head, OLMo 2's whole-width), each one
+    row pass forward and backward instead of HF's eager chain of elementwise kernels; the rest of
+    HF's attention (projections, RoPE, the attention call) is unchanged."""
+    swapped = []
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(layer.self_attn, name)
+        norm._coda_unit_offset = gemma
+        norm.forward = types.MethodType(_norm, norm)
+        swapped.append(f"model.layers.{i}.self_attn.{name} -> coda.ops.rmsnorm")
+    return swapped
 
 
 # Families whose decoder layer differs from Llama's, by model_type (the rest: the loop in patch()).
@@ -175,7 +191,8 @@ def patch(model: nn.Module) -> nn.Module:
     if getattr(model, "coda_patched", None):
         return model
     layer_patch = _LAYER_PATCHES.get(model.config.model_type)
-    gemma = families.FAMILIES[model.config.model_type].gemma
+    family = families.FAMILIES[model.config.model_type]
+    gemma = family.gemma
     # The norm in front of the MLP runs inside coda's fused op; the others run alone. Llama's
     # post-attention norm feeds the MLP. Gemma's normalizes the attention output before the
     # residual add (a sandwich norm, as its post-feedforward norm does the MLP output), and its
@@ -194,6 +211,8 @@ def patch(model: nn.Module) -> nn.Module:
             norm._coda_unit_offset = gemma
             norm.forward = types.MethodType(_norm, norm)
             swapped += [f"model.layers.{i}.{name} -> coda.ops.rmsnorm"]
+        if family.qk_norm:
+            swapped += _patch_qk_norms(i, layer, gemma)
         norm, mlp = getattr(layer, mlp_norm), layer.mlp
         norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_passthrough, norm)

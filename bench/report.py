@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import first_call
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,9 +79,13 @@ def block_rows(data: dict) -> str:
 
 
 def training(data: dict) -> str:
-    """train (or, before its first run, train_llama): bench/train.py's own table, of the step rows
-    (train_llama.json also holds loss curves)."""
+    """train: bench/train.py's own table, of the step rows."""
     return train.table([r for r in data["rows"] if "step_ms" in r or "skipped" in r])
+
+
+def first_calls(data: dict) -> str:
+    """first_call: bench/first_call.py's own table (seconds to the first step, each first compile)."""
+    return first_call.table(data)
 
 
 def fsdp(data: dict) -> str:
@@ -95,50 +100,50 @@ class Section:
     """One benchmark's latest figures: which committed file, what it measures, how it was run."""
 
     title: str
-    files: tuple[str, ...]  # under bench/results/, the first that exists (a newer benchmark's file first)
+    file: str  # under bench/results/
     what: str
     reproduce: str
     render: Callable[[dict], str]
 
-    @property
-    def file(self) -> str:
-        found = [f for f in self.files if (RESULTS / f).exists()]
-        if not found:
-            raise FileNotFoundError(f"none of {self.files} under bench/results/")
-        return found[0]
-
 
 SECTIONS = (
-    Section("Fused GEMMs against their bare GEMM and the peers", ("gemm_epilogues.json",),
+    Section("Fused GEMMs against their bare GEMM and the peers", "gemm_epilogues.json",
             "Each forward epilogue fused into its GEMM (coda) against the same GEMM with no epilogue (cuBLAS, and "
             "coda's template with none), the unfused PyTorch sequence (eager), torch.compile of it and Liger-Kernel.",
             f"{DEVICE_ENV}bash bench/gpu_session.sh epilogues\n"
             "python bench/gemm_epilogues.py --merge $OUT/epilogues.json --out bench/results", fused_gemms),
-    Section("Ops and the block, forward and forward+backward", ("ops_block.json",),
+    Section("Ops and the block, forward and forward+backward", "ops_block.json",
             "coda.ops (RMSNorm + linear, the SwiGLU MLP, linear + cross-entropy, the block) against the sum of "
             "their bare cuBLAS GEMMs and the peers.",
             f"{DEVICE_ENV}bash bench/gpu_session.sh ops\n"
             "python bench/ops_block.py --merge $OUT/ops_block.json --out bench/results", ops),
-    Section("The block's GEMMs, kernel by kernel", ("block_kernels_c0550e6/block_kernels.json",),
+    Section("The block's GEMMs, kernel by kernel", "block_kernels_c0550e6/block_kernels.json",
             "Every GEMM of the block forward+backward, replayed alone on the operands the block gave it, on the "
             "backend the runtime chose, against the bare cuBLAS GEMM of the same operands.",
             f"{DEVICE_ENV}bash bench/gpu_session.sh block\n"
             "python bench/block_kernels.py --merge $OUT/block_kernels.json --out bench/results/block_kernels_<commit>",
             block_kernels),
-    Section("The block against its speed of light and the peers", ("block_rows_f0e466d/block_kernels.json",),
+    Section("The block against its speed of light and the peers", "block_rows_f0e466d/block_kernels.json",
             "The Llama block forward+backward (M = 8192) per variant, each divided by the SoL timed right before "
             "it: the block's 12 bare cuBLAS GEMMs replayed back to back in one CUDA graph.",
             f"{DEVICE_ENV}bash bench/gpu_session.sh block   # kernel rows, then each width's block rows in a fresh "
             "process\npython bench/block_kernels.py --merge $OUT/block_kernels.json --out bench/results/block_rows_<commit>",
             block_rows),
-    Section("End-to-end training per model family", ("train.json", "train_llama.json"),
+    Section("End-to-end training per model family", "train.json",
             "Forward + backward + fused AdamW of whole models, bf16, batch x seq tokens a step, each variant in its "
             "own process.",
             f"{DEVICE_ENV}TRAIN_ARGS=\"--models llama3.2-1b\" bash bench/gpu_session.sh train   # a model a device "
             "call; add --packed for packed rows\npython bench/train.py --merge OUT1/train.json OUT2/train.json --out "
             "bench/results",
             training),
-    Section("coda's model under FSDP2", ("fsdp2.json",),
+    Section("Seconds to the first training step", "first_call.json",
+            "A fresh process with coda's default settings (no tuning): the first training step from empty caches "
+            "(cold: every kernel compiled) and from warm ones, and each kernel's first compile.",
+            f"{DEVICE_ENV}FIRST_CALL_ARGS=\"--cases llama_1b\" bash bench/gpu_session.sh first_call   # or "
+            "block_d2048,block_d4096\npython bench/first_call.py --merge OUT1/first_call.json OUT2/first_call.json "
+            "--out bench/results",
+            first_calls),
+    Section("coda's model under FSDP2", "fsdp2.json",
             "The coda Llama-3.2-1B model sharded with FSDP2 (fully_shard per layer, bf16 parameters, fp32 "
             "reduction and master weights), batch 2 x 4096 a rank.",
             f"{DEVICE_ENV}torchrun --standalone --nproc_per_node=1 bench/tools/train_fsdp.py --model 1b --shape 2x4096 "
@@ -174,7 +179,9 @@ def section(s: Section) -> list[str]:
 PROTOCOL = """\
 ## How these figures are measured
 
-* GPU numbers come only from the H200; a CPU run of the scripts checks their wiring, not speed.
+* GPU numbers come from the H200, or where a results file records an H100 80GB, from the H100
+  that the loan gave that day; every ratio is within one file, one machine. A CPU run of the
+  scripts checks their wiring, not speed.
 * Every claim is a ratio of variants timed in the same process on the same inputs, never an
   absolute time carried between runs: the machine is shared and its clock moves.
 * Every variant is checked against its fp32 reference before it is timed.
@@ -212,7 +219,6 @@ The steps with no section below:
 ```bash
 bash bench/gpu_session.sh tests          # the GPU tier: the test suite on CUDA tensors, larger shapes
 bash bench/gpu_session.sh tests_triton   # the same with CODA_BACKEND=triton
-FIRST_CALL_ARGS="--cases llama_1b" bash bench/gpu_session.sh first_call   # seconds to the first training step
 bash bench/gpu_session.sh profile rowwise timeline   # investigation tools (bench/tools/)
 ```
 """

@@ -15,7 +15,6 @@ import json
 import logging
 import re
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,7 +5,9 @@ embedding to layer 0's QKV projection, `block_segment` from layer l's attention 
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
 Attention is `F.scaled_dot_product_attention` (causal, GQA; padding, packed documents and sliding
-windows as masks built once per forward: masks.py) between them. The parameters are held
+windows as masks built once per forward: masks.py) between them, or eager attention where scores
+are capped (Gemma 2). Gemma's layers end in their sandwich norms' row passes (sandwich.py), so the
+next layer's qkv comes as layer 0's does (`qkv_segment`). The parameters are held
 in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
 forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
 `from_hf` / `to_hf_state_dict` convert from and to transformers' names, grouping and layouts.
@@ -520,6 +522,7 @@ class LlamaForCausalLM(nn.Module):
 
 def from_hf(hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:
     """A coda causal LM with the weights of a transformers *ForCausalLM of any family from_hf
-    supports (families.supported(FROM_HF)). Each of them is a Llama-shaped decoder today, so each is
-    a LlamaForCausalLM; ValueError naming the model_type or the config field otherwise."""
+    supports (families.supported(FROM_HF)): a LlamaForCausalLM, whose config describes the family's
+    differences from Llama (biases, QK-norm, Gemma's norms and MLP, windows, caps); ValueError
+    naming the model_type or the config field otherwise."""
     return LlamaForCausalLM.from_hf(hf_model, checkpoint=checkpoint)

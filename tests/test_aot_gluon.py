@@ -355,6 +355,7 @@ QKNORM_SPILLS: dict[tuple[str, str | None], tuple[int, int]] = {
 _QKNORM_CONFIGS = {None: None, "64x256/4": {"block_m": 64, "block_n": 256, "subtile": 4}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, config", sorted(QKNORM_SPILLS, key=str), ids=lambda v: str(v))
 def test_qknorm_compiles(worker: Worker, name: str, config: str | None) -> None:
     """The group reduction's reshape, sum and broadcast back stay in the accumulator's layout

@@ -36,6 +36,7 @@ def test_custom_epilogue() -> None:
     assert "ok: every output within 2e-02 of the fp32 reference" in out
 
 
+@pytest.mark.slow
 def test_train_hf_patch() -> None:
     out = run("examples/train_hf_patch.py", "--steps", "3")
     patched, before = re.search(r"patched (\d+) modules; loss on the same weights: transformers ([\d.]+)", out).groups()
@@ -45,6 +46,7 @@ def test_train_hf_patch() -> None:
     assert curve[-1] < curve[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0",
                     reason="the CPU ranks need Triton's interpreter, which needs numpy < 2.4")
 def test_fsdp2_train_two_cpu_ranks() -> None:

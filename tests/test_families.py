@@ -57,6 +57,8 @@ PATCH_CASES = {
     "mistral": dict(sliding_window=4),  # a window shorter than the sequence: HF's attention
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # q/k/v biases, layer 1 windowed
     "qwen3": dict(),  # QK-norm inside HF's attention
+    # Llama's layer with (1 + w) norms, GeGLU and the embedding scale; tied (its default)
+    "gemma": dict(head_dim=8),
     # (1 + w) norms, sandwich norms, GeGLU, embedding scale; HF's attention: QK-norm, a window shorter
     # than the sequence on the sliding layers, their own RoPE base, query_pre_attn_scalar
     "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
@@ -274,6 +276,7 @@ def test_from_hf_warns_where_transformers_runs_gemma2_uncapped() -> None:
         coda.models.from_hf(hf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
 def test_gemma_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
     """The sandwich norms' row passes and the capped attention trace whole (fullgraph) and recompute
@@ -344,7 +347,7 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
         assert rel(grads[name], g) < 1e-5, f"{name}: relative error {rel(grads[name], g):.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;
     Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU): against

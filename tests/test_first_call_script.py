@@ -101,6 +101,7 @@ def test_needs_a_gpu_for_the_real_cases(tmp_path: Path) -> None:
                                    "--merge runs anywhere")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GPU, reason="on a GPU the script measures its real cases")
 def test_tiny_case_runs_cold_then_warm(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(SCRIPT), "--cases", "tiny", "--out", str(tmp_path)], check=True,

@@ -188,6 +188,7 @@ def _check_bound(what: str, result: dict) -> None:
         f"{what}: the model says {result['estimate']} B, the sm_90 compile takes {result['shared']}: {result}")
 
 
+@pytest.mark.slow
 def test_the_h200_case_before_and_after_on_sm90(worker: Worker) -> None:
     """The old default takes more than the limit (360480 B with triton 3.6, as on the H200), and
     the model says so; the fitted defaults of both templates compile within the limit and within

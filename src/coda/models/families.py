@@ -103,7 +103,8 @@ class Family:
     fields: Mapping[str, Rule]
     qkv_bias: bool = False  # its q/k/v projections always carry biases (Qwen2), whatever the config says
     qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
-    gemma: bool = False  # Gemma 2/3's decoder: (1 + w) norms, sandwich norms, a GeGLU MLP, the embedding scaled
+    gemma_norms: bool = False  # every Gemma: (1 + w) norms, a GeGLU MLP, the embedding scaled by sqrt(hidden_size)
+    sandwich: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too, the MLP's own norm in front of it
     fused_projections: bool = False  # one qkv_proj and one gate_up_proj ([gate; up] rows) per layer (Phi-3)
 
 
@@ -139,6 +140,11 @@ _GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sli
           # Read when the config is built (older transformers spell the window pattern without the
           # underscore and name generate()'s cache class): no model math reads them.
           "_sliding_window_pattern": DERIVED, "sliding_window_pattern": DERIVED, "cache_implementation": DERIVED}
+# Gemma (1): Llama's decoder layer with Gemma's (1 + w) norms, GeGLU MLP and embedding scale, through
+# coda.patch (coda's own model has Gemma's norms only with the sandwich layout of Gemma 2/3).
+_GEMMA1 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS),
+           "hidden_act": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
+           "use_bidirectional_attention": _GEMMA["use_bidirectional_attention"]}
 # Phi-3: fused qkv_proj (inside HF's attention) and gate_up_proj ([gate; up] rows: coda.patch passes
 # the two halves as views). Its dropout stays HF's under coda.patch: the decoder layer, which patch
 # keeps, applies resid_pdrop around coda's MLP output, and HF's Phi3Model reads embd_pdrop nowhere.
@@ -158,8 +164,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
                            **_WINDOWS}, qk_norm=True),
-    Family("gemma2", BOTH, _GEMMA, gemma=True),  # Gemma 3's layer without QK-norm
-    Family("gemma3_text", BOTH, _GEMMA, gemma=True, qk_norm=True),
+    Family("gemma", frozenset({PATCH}), _GEMMA1, gemma_norms=True),  # Llama's layer with Gemma's norms and MLP
+    Family("gemma2", BOTH, _GEMMA, gemma_norms=True, sandwich=True),  # Gemma 3's layer without QK-norm
+    Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, sandwich=True, qk_norm=True),
     Family("phi3", BOTH, _PHI3, fused_projections=True),
     Family("olmo2", frozenset({PATCH}), _OLMO2),
 )}

@@ -1,5 +1,5 @@
-"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3,
-OLMo 2) through coda's ops.
+"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
+Phi-3, OLMo 2) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -8,8 +8,9 @@ same process is untouched. The modules and parameters stay where they are: param
 
 What runs through coda:
 * each decoder layer's norm in front of the MLP + the MLP: `coda.ops.rmsnorm_swiglu_mlp` (Llama's
-  post-attention norm) or `coda.ops.rmsnorm_geglu_mlp` (Gemma's pre-feedforward norm) (the norm's
-  forward passes its input through; the MLP applies the norm with the norm's own weight and eps);
+  post-attention norm) or `coda.ops.rmsnorm_geglu_mlp` (Gemma 1's post-attention norm, Gemma 2/3's
+  pre-feedforward norm) (the norm's forward passes its input through; the MLP applies the norm
+  with the norm's own weight and eps);
 * each decoder layer's other RMSNorms: `coda.ops.rmsnorm` (two row passes, forward and backward):
   the input norm, whose output feeds HF's three separate q/k/v projections, so it cannot move into
   one GEMM, and Gemma's sandwich norms on the attention and MLP outputs, which need a whole row of
@@ -192,15 +193,15 @@ def patch(model: nn.Module) -> nn.Module:
         return model
     layer_patch = _LAYER_PATCHES.get(model.config.model_type)
     family = families.FAMILIES[model.config.model_type]
-    gemma = family.gemma
-    # The norm in front of the MLP runs inside coda's fused op; the others run alone. Llama's
-    # post-attention norm feeds the MLP. Gemma's normalizes the attention output before the
-    # residual add (a sandwich norm, as its post-feedforward norm does the MLP output), and its
-    # pre-feedforward norm feeds the MLP.
-    mlp_norm, mlp_op = ("pre_feedforward_layernorm", rmsnorm_geglu_mlp) if gemma else \
-        ("post_attention_layernorm", rmsnorm_swiglu_mlp)
-    alone = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm") if gemma else \
-        ("input_layernorm",)
+    gemma = family.gemma_norms  # (1 + w) norms, the GeGLU MLP
+    # The norm in front of the MLP runs inside coda's fused op; the others run alone. Llama's (and
+    # Gemma 1's) post-attention norm feeds the MLP. Gemma 2/3's normalizes the attention output
+    # before the residual add (a sandwich norm, as its post-feedforward norm does the MLP output),
+    # and its pre-feedforward norm feeds the MLP.
+    mlp_norm = "pre_feedforward_layernorm" if family.sandwich else "post_attention_layernorm"
+    mlp_op = rmsnorm_geglu_mlp if gemma else rmsnorm_swiglu_mlp
+    alone = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm") if family.sandwich \
+        else ("input_layernorm",)
     swapped = []
     for i, layer in enumerate(model.model.layers):
         if layer_patch is not None:

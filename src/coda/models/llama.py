@@ -121,7 +121,7 @@ class LlamaConfig:
                    pad_token_id=getattr(config, "pad_token_id", None),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.gemma, local_rope=local,
+                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.sandwich, local_rope=local,
                    fused_projections=family.fused_projections,
                    query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
                    attn_softcap=_number(config, "attn_logit_softcapping"),

@@ -20,7 +20,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
              num_key_value_heads=2, max_position_embeddings=64)
 # Per family what changes its attention: QK-norm (qwen3, gemma3_text), a window shorter than the
 # sequence on layer 0 (Gemma's), capped scores under HF's eager attention (gemma2), Phi-3's fused
-# projections and a window on every layer; pad_token_id 0 (HF's default pad id is past VOCAB for Phi-3).
+# projections and a window on every layer, OLMo 2's whole-width q/k norms; pad_token_id 0 (HF's default
+# pad id is past VOCAB for Phi-3 and OLMo 2).
 FAMILIES = {
     "llama": dict(pad_token_id=0),
     "qwen3": dict(head_dim=16),
@@ -29,6 +30,7 @@ FAMILIES = {
     "gemma2": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6, attn_logit_softcapping=2.0,
                    final_logit_softcapping=0.5, layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(sliding_window=6, pad_token_id=0),
+    "olmo2": dict(pad_token_id=0),
 }
 
 

@@ -51,6 +51,11 @@ FROM_HF_CASES = {
                    attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]),
     # fused qkv_proj and gate_up_proj; a window shorter than the sequence; the default pad id is past VOCAB
     "phi3": dict(sliding_window=4, pad_token_id=0),
+    # norms on the attention and MLP outputs, none in front; whole-width q/k norms before RoPE;
+    # llama3 RoPE scaling (OLMo 2's configs keep Llama's RoPE types); weights of std 0.2 for the bf16
+    # test's sake (PATCH_CASES says why)
+    "olmo2": dict(initializer_range=0.2, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -237,10 +242,10 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
         coda.patch(bare)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gemma2", "phi3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gemma2", "phi3", "olmo2"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
-    layout in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
+    layout, OLMo 2's post-norms and whole-width q/k norms in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
     gradients are no further off than HF's own bf16 run (the bound of test_llama_model's bf16 test:
     twice HF's error, plus a bf16 ulp, for the different rounding points)."""
     hf32 = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -255,7 +260,7 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "phi3"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "phi3", "olmo2"])
 def test_from_hf_logits_match_hf(model_type: str) -> None:
     """Without labels the model returns HF's logits (Gemma 2's capped)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -277,10 +282,11 @@ def test_from_hf_warns_where_transformers_runs_gemma2_uncapped() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
-def test_gemma_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
-    """The sandwich norms' row passes and the capped attention trace whole (fullgraph) and recompute
-    under activation checkpointing: the eager loss and gradients."""
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "olmo2"])
+def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
+    """The row passes of Gemma's sandwich norms and OLMo 2's post-norms and q/k norms, and the capped
+    attention, trace whole (fullgraph) and recompute under activation checkpointing: the eager loss and
+    gradients."""
     torch._dynamo.reset()
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
     eager = run(coda.models.from_hf(hf), lambda m: m.to_hf_state_dict(grads=True))
@@ -293,6 +299,17 @@ def test_gemma_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_
         assert abs(out.loss.item() - eager[0].item()) < 1e-6 * abs(eager[0].item())
         for name, g in inner.to_hf_state_dict(grads=True).items():
             assert rel(g.double(), eager[1][name]) < 1e-6, name
+
+
+def test_config_refuses_post_norm_with_another_layout() -> None:
+    """OLMo 2's post-norm layer has no input norms and whole-width q/k norms: with Gemma's layer,
+    per-head QK-norm or q/k/v biases the config would describe a model no family is."""
+    shape = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, post_norm=True)
+    coda.models.LlamaConfig(**shape)
+    for other in ("gemma", "qk_norm", "qkv_bias"):
+        with pytest.raises(ValueError, match="post_norm .* describes no family"):
+            coda.models.LlamaConfig(**shape, **{other: True})
 
 
 def test_from_hf_reads_every_weight() -> None:

@@ -105,6 +105,7 @@ class Family:
     qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
     gemma_norms: bool = False  # every Gemma: (1 + w) norms, a GeGLU MLP, the embedding scaled by sqrt(hidden_size)
     sandwich: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too, the MLP's own norm in front of it
+    post_norm: bool = False  # OLMo 2: norms only on the attention and MLP outputs; whole-width q/k norms
     fused_projections: bool = False  # one qkv_proj and one gate_up_proj ([gate; up] rows) per layer (Phi-3)
 
 
@@ -153,8 +154,8 @@ _PHI3 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
          # RoPE, inside HF's attention: longrope's switch length, the rotated fraction of each head.
          "original_max_position_embeddings": ANY,
          "partial_rotary_factor": _attention_only(Rule(lambda v: v in (None, 1), "1 (RoPE over the whole head)"))}
-# OLMo 2: norms on the attention and MLP outputs (no input norms), whole-width q/k norms inside HF's
-# attention.
+# OLMo 2: norms on the attention and MLP outputs (no input norms), whole-width q/k norms (inside HF's
+# attention under coda.patch; row passes in coda's model: Family.post_norm).
 _OLMO2 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS)}
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -168,7 +169,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", BOTH, _GEMMA, gemma_norms=True, sandwich=True),  # Gemma 3's layer without QK-norm
     Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, sandwich=True, qk_norm=True),
     Family("phi3", BOTH, _PHI3, fused_projections=True),
-    Family("olmo2", frozenset({PATCH}), _OLMO2),
+    Family("olmo2", BOTH, _OLMO2, post_norm=True),
 )}
 
 

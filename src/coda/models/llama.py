@@ -28,10 +28,11 @@ from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
 from ..ops.rmsnorm import rmsnorm
 from .families import FAMILIES, FROM_HF, foreign_code, problems
-from .llama_block import NativeBlockWeights, block_segment
+from .llama_block import NativeBlockWeights, block_segment, inv_freq
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build, documents, padding
-from .sandwich import sandwich_residual
+from .qkv_projection import whole_qk_norm_qkv
+from .sandwich import post_norm_residual, sandwich_residual
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,20 @@ class LlamaConfig:
     # Gemma 2/3: norms scale by (1 + w); sandwich norms on the attention and MLP outputs (sandwich.py);
     # GeGLU (tanh GELU) for SwiGLU; the embedding scaled by sqrt(hidden_size) in the model dtype.
     gemma: bool = False
+    # OLMo 2: no norm in front of attention or the MLP; norms on the attention and MLP outputs
+    # (sandwich.post_norm_residual); q and k each RMS-normalized over its whole width ([H*hd] and
+    # [KV*hd] weights, rms_norm_eps) before RoPE (qkv_projection.whole_qk_norm_qkv).
+    post_norm: bool = False
     local_rope: tuple[float, tuple[float, ...] | None] | None = None  # (theta, scaling) of sliding layers (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim's
     attn_softcap: float | None = None  # attention scores c * tanh(s / c) before the softmax (Gemma 2)
     final_softcap: float | None = None  # logits c * tanh(l / c) before the loss (Gemma 2)
     fused_projections: bool = False  # HF holds one qkv_proj and one gate_up_proj per layer (Phi-3): names only
+
+    def __post_init__(self) -> None:
+        if self.post_norm and (self.gemma or self.qk_norm or self.qkv_bias):
+            raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, qk_norm or qkv_bias describes no "
+                             "family coda computes")
 
     @property
     def dim_per_head(self) -> int:
@@ -121,7 +131,8 @@ class LlamaConfig:
                    pad_token_id=getattr(config, "pad_token_id", None),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.sandwich, local_rope=local,
+                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.sandwich, post_norm=family.post_norm,
+                   local_rope=local,
                    fused_projections=family.fused_projections,
                    query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
                    attn_softcap=_number(config, "attn_logit_softcapping"),
@@ -182,13 +193,14 @@ class LlamaLayer(nn.Module):
         self.config, self.index = c, index
         self.wo = nn.Parameter(torch.empty(d, c.num_attention_heads * hd, **factory))
         # Gemma's sandwich norms on the attention and MLP outputs (None elsewhere).
-        self.post_attn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma else None
-        self.ffn_norm = nn.Parameter(torch.ones(d, **factory))  # the norm in front of the MLP
+        # Gemma's sandwich norms and OLMo 2's post-norms on the attention and MLP outputs (None elsewhere).
+        self.post_attn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma or c.post_norm else None
+        self.ffn_norm = None if c.post_norm else nn.Parameter(torch.ones(d, **factory))  # the norm in front of the MLP
         self.w_gate_up = nn.Parameter(torch.empty(2 * f, d, **factory))
         self.w_down = nn.Parameter(torch.empty(d, f, **factory))
-        self.post_ffn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma else None
+        self.post_ffn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma or c.post_norm else None
         # Layer i+1's input norm and fused, pair-permuted QKV projection (none after the last layer).
-        self.next_attn_norm = None if last else nn.Parameter(torch.ones(d, **factory))
+        self.next_attn_norm = None if last or c.post_norm else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
         self.next_b_qkv = None if last or not c.qkv_bias else nn.Parameter(torch.zeros(_qkv_rows(c), **factory))
         self.next_q_norm, self.next_k_norm = (None, None) if last else _qk_norms(c, **factory)
@@ -218,6 +230,13 @@ class LlamaLayer(nn.Module):
         attn = self._attention(qkv, batch, seq, mask)
         if self.next_w_qkv is None and final_norm is None:
             raise ValueError("the last LlamaLayer needs the model's final norm weight")
+        if c.post_norm:
+            x2 = post_norm_residual(attn, x, self.wo, self.post_attn_norm, self.w_gate_up, self.w_down,
+                                    self.post_ffn_norm, c.rms_norm_eps)
+            if self.next_w_qkv is None:
+                return rmsnorm(x2, final_norm, c.rms_norm_eps), None
+            return x2, qkv_segment(c, self.index + 1, x2, pos, self.next_attn_norm, self.next_w_qkv, self.next_b_qkv,
+                                   self.next_q_norm, self.next_k_norm)
         if c.gemma:
             x2 = sandwich_residual(attn, x, self.wo, c.gain(self.post_attn_norm), c.gain(self.ffn_norm),
                                    self.w_gate_up, self.w_down, c.gain(self.post_ffn_norm), c.rms_norm_eps,
@@ -239,13 +258,17 @@ class LlamaLayer(nn.Module):
         return block_segment(attn, x, pos, w)
 
 
-def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, attn_norm: torch.Tensor,
+def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, attn_norm: torch.Tensor | None,
                 w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None) -> torch.Tensor:
     """Layer `layer`'s qkv from the residual stream x as `first_segment` (its input norm's row pass,
     then the QKV GEMM with RoPE, the biases or QK-norm in its epilogue): layer 0's, and every
-    layer's after a Gemma layer (whose sandwich norm ends in a row pass)."""
+    layer's after a Gemma layer (whose sandwich norm ends in a row pass). OLMo 2 (no input norm,
+    whole-width q/k norms): the GEMM, then row passes (whole_qk_norm_qkv)."""
     theta, scaling = c.rope(layer)
+    if c.post_norm:
+        return whole_qk_norm_qkv(x, pos, inv_freq(c.dim_per_head, theta, scaling, x.device), w_qkv, q_norm, k_norm,
+                                 c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
     return first_segment(x, pos, c.gain(attn_norm), w_qkv, n_heads=c.num_attention_heads,
                          n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta, rope_scaling=scaling,
                          b_qkv=b_qkv, qk_norm=None if q_norm is None else (c.gain(q_norm), c.gain(k_norm)))
@@ -276,7 +299,11 @@ def _qkv_rows(c: LlamaConfig) -> int:
 
 
 def _qk_norms(c: LlamaConfig, **factory: object) -> tuple[nn.Parameter | None, nn.Parameter | None]:
-    """The q and k heads' norm weights ([head_dim] each, HF order) where the config has QK-norm."""
+    """The q and k norm weights (HF order) where the config has them: per head ([head_dim] each), or
+    OLMo 2's over the whole width ([H*hd] and [KV*hd])."""
+    if c.post_norm:
+        return tuple(nn.Parameter(torch.ones(n * c.dim_per_head, **factory))
+                     for n in (c.num_attention_heads, c.num_key_value_heads))
     if not c.qk_norm:
         return None, None
     return tuple(nn.Parameter(torch.ones(c.dim_per_head, **factory)) for _ in range(2))
@@ -310,7 +337,8 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.checkpoint = config, checkpoint
         c, n = config, config.num_hidden_layers
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory))
-        self.first_attn_norm = nn.Parameter(torch.ones(c.hidden_size, **factory))  # layer 0's input norm
+        # layer 0's input norm (OLMo 2 has none)
+        self.first_attn_norm = None if c.post_norm else nn.Parameter(torch.ones(c.hidden_size, **factory))
         self.first_w_qkv = nn.Parameter(torch.empty(_qkv_rows(c), c.hidden_size, **factory))  # and QKV projection
         self.first_b_qkv = nn.Parameter(torch.zeros(_qkv_rows(c), **factory)) if c.qkv_bias else None
         self.first_q_norm, self.first_k_norm = _qk_norms(c, **factory)
@@ -371,6 +399,8 @@ class LlamaForCausalLM(nn.Module):
         """HF layer i's norms after attention by HF name, in HF's order: Llama's norm in front of the
         MLP is its post-attention norm; Gemma's post-attention norm is a sandwich norm."""
         layer = self.layers[i]
+        if self.config.post_norm:
+            return {"post_attention_layernorm": layer.post_attn_norm, "post_feedforward_layernorm": layer.post_ffn_norm}
         if not self.config.gemma:
             return {"post_attention_layernorm": layer.ffn_norm}
         return {"post_attention_layernorm": layer.post_attn_norm, "pre_feedforward_layernorm": layer.ffn_norm,
@@ -413,7 +443,8 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(i)
-                attn_norm.copy_(take(p + "input_layernorm.weight"))
+                if attn_norm is not None:  # (OLMo 2 has none)
+                    attn_norm.copy_(take(p + "input_layernorm.weight"))
                 w_qkv.copy_(qkv_rows(p, "weight"))
                 if b_qkv is not None:  # permuted like the rows they add to
                     b_qkv.copy_(qkv_rows(p, "bias"))
@@ -471,7 +502,8 @@ class LlamaForCausalLM(nn.Module):
                     sd.update({p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm})
                 sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
             sd[p + "mlp.down_proj.weight"] = get(layer.w_down)
-            sd[p + "input_layernorm.weight"] = attn_norm
+            if attn_norm is not None:
+                sd[p + "input_layernorm.weight"] = attn_norm
             sd.update({f"{p}{name}.weight": get(norm) for name, norm in self._layer_norms(i).items()})
         sd["model.norm.weight"] = get(self.norm)
         sd["lm_head.weight"] = get(self.embed_tokens if self.lm_head is None else self.lm_head)

@@ -9,6 +9,8 @@ decided here once for both segments that end in it (`first_segment`, `block_segm
   `qknorm_rope_backward(hd)` on the recomputed QKV GEMM, which needs that GEMM's input `h`, not
   `qkv` (docs/ALGEBRA.md 3a).
 
+* whole-width q/k norms (OLMo 2): `whole_qk_norm_qkv`, row passes after a plain GEMM (below).
+
 `rstd` is the input norm's row scale the GEMM applies (block segments), or None where the GEMM's
 input is normalized already (the first segment's row pass applied it).
 """
@@ -16,9 +18,12 @@ input is normalized already (the first segment's row pass applied it).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..ops import epilogues as E
+from ..ops.layout import permute_rope_rows
 from ..ops.qknorm import qknorm_columns, qknorm_weight_grads
+from ..ops.rmsnorm import rmsnorm
 from ..ops.rowwise import rope_backward
 from ..runtime import gemm
 
@@ -81,3 +86,25 @@ def qkv_backward(d_qkv: torch.Tensor, saved: torch.Tensor, rstd: torch.Tensor | 
     # rows. Torch row reductions over dz for now, a pass the RoPE-backward kernel could fold in.
     b = b_qkv[0]
     return dz, zdz - dz.float() @ b.float(), [dz.float().sum(0).to(b.dtype)]
+
+
+def whole_qk_norm_qkv(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, w_qkv: torch.Tensor,
+                      q_norm: torch.Tensor, k_norm: torch.Tensor, n_heads: int, n_kv_heads: int,
+                      eps: float) -> torch.Tensor:
+    """OLMo 2's qkv: q and k each RMS-normalized over its whole width (every head; [n_heads*hd] and
+    [n_kv_heads*hd] weights in HF order), then RoPE. A norm over all heads needs whole rows of the
+    GEMM output, which a tile does not hold, so this is the plain QKV GEMM (pair-permuted rows, as
+    every variant's), one `coda.ops.rmsnorm` row pass each for q and k (weights permuted like their
+    columns), and the rotation of each head's column pairs by pos * inv_freq ([hd/2]) in fp32, in
+    torch: row passes in place of an epilogue, the honest cost of that norm."""
+    hd = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
+    nq, nk = n_heads * hd, n_kv_heads * hd
+    u = F.linear(x, w_qkv)
+    q = rmsnorm(u[:, :nq], permute_rope_rows(q_norm[:, None], n_heads, hd)[:, 0], eps)
+    k = rmsnorm(u[:, nq:nq + nk], permute_rope_rows(k_norm[:, None], n_kv_heads, hd)[:, 0], eps)
+    qk = torch.cat([q, k], 1).float().view(x.shape[0], n_heads + n_kv_heads, hd // 2, 2)
+    angle = (pos.float()[:, None] * inv_freq[None, :])[:, None, :]  # [M, 1, hd/2]: every head alike
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    a, b = qk[..., 0], qk[..., 1]
+    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).view(x.shape[0], nq + nk)
+    return torch.cat([rotated.to(u.dtype), u[:, nq + nk:]], 1)

@@ -376,6 +376,7 @@ def random_epilogue(acc, h: coda.Tile(width=2)):
 """
 
 
+@pytest.mark.slow
 def test_group_values_of_every_width_compile(worker: Worker) -> None:
     """group_max / group_sum of half-, full- and double-width values (the EPI_H / EPI / EPI_2 layouts,
     the default's epilogue loop for width 2) compile; measured without spills."""

@@ -242,6 +242,7 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
         coda.patch(bare)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gemma2", "phi3", "olmo2"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
@@ -364,6 +365,7 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
         assert rel(grads[name], g) < 1e-5, f"{name}: relative error {rel(grads[name], g):.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;

@@ -213,6 +213,7 @@ BOUND_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BOUND_CASES))
 def test_the_model_bounds_sm90_compiles(worker: Worker, name: str) -> None:
     source, cfg = BOUND_CASES[name]

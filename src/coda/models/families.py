@@ -127,9 +127,10 @@ _WINDOWS = {"sliding_window": ANY,
 # score softcapping), so those fields are coda's own model's alone (LlamaConfig.from_hf reads them).
 POSITIVE_OR_NONE = Rule(lambda v: v is None or (isinstance(v, (int, float)) and 0 < v < float("inf")),
                         "None or a positive number")
+GELU_TANH = Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)")
 _GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sliding_window": ANY,
           "layer_types": _attention_only(LAYER_TYPES),
-          "hidden_activation": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
+          "hidden_activation": GELU_TANH,
           # c * tanh(logits / c) before the loss: linear_cross_entropy's softcap, and on the logits.
           "final_logit_softcapping": POSITIVE_OR_NONE,
           "query_pre_attn_scalar": _attention_only(Rule(lambda v: isinstance(v, (int, float)) and v > 0,
@@ -144,7 +145,7 @@ _GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sli
 # Gemma (1): Llama's decoder layer with Gemma's (1 + w) norms, GeGLU MLP and embedding scale, through
 # coda.patch (coda's own model has Gemma's norms only with the sandwich layout of Gemma 2/3).
 _GEMMA1 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS),
-           "hidden_act": Rule(lambda v: v == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)"),
+           "hidden_act": GELU_TANH,
            "use_bidirectional_attention": _GEMMA["use_bidirectional_attention"]}
 # Phi-3: fused qkv_proj (inside HF's attention) and gate_up_proj ([gate; up] rows: coda.patch passes
 # the two halves as views). Its dropout stays HF's under coda.patch: the decoder layer, which patch

@@ -192,7 +192,6 @@ class LlamaLayer(nn.Module):
         last = index == c.num_hidden_layers - 1
         self.config, self.index = c, index
         self.wo = nn.Parameter(torch.empty(d, c.num_attention_heads * hd, **factory))
-        # Gemma's sandwich norms on the attention and MLP outputs (None elsewhere).
         # Gemma's sandwich norms and OLMo 2's post-norms on the attention and MLP outputs (None elsewhere).
         self.post_attn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma or c.post_norm else None
         self.ffn_norm = None if c.post_norm else nn.Parameter(torch.ones(d, **factory))  # the norm in front of the MLP
@@ -230,17 +229,14 @@ class LlamaLayer(nn.Module):
         attn = self._attention(qkv, batch, seq, mask)
         if self.next_w_qkv is None and final_norm is None:
             raise ValueError("the last LlamaLayer needs the model's final norm weight")
-        if c.post_norm:
-            x2 = post_norm_residual(attn, x, self.wo, self.post_attn_norm, self.w_gate_up, self.w_down,
-                                    self.post_ffn_norm, c.rms_norm_eps)
-            if self.next_w_qkv is None:
-                return rmsnorm(x2, final_norm, c.rms_norm_eps), None
-            return x2, qkv_segment(c, self.index + 1, x2, pos, self.next_attn_norm, self.next_w_qkv, self.next_b_qkv,
-                                   self.next_q_norm, self.next_k_norm)
-        if c.gemma:
-            x2 = sandwich_residual(attn, x, self.wo, c.gain(self.post_attn_norm), c.gain(self.ffn_norm),
-                                   self.w_gate_up, self.w_down, c.gain(self.post_ffn_norm), c.rms_norm_eps,
-                                   c.activation)
+        if c.gemma or c.post_norm:  # norms on the outputs: row passes, then the next qkv as layer 0's
+            if c.post_norm:
+                x2 = post_norm_residual(attn, x, self.wo, self.post_attn_norm, self.w_gate_up, self.w_down,
+                                        self.post_ffn_norm, c.rms_norm_eps)
+            else:
+                x2 = sandwich_residual(attn, x, self.wo, c.gain(self.post_attn_norm), c.gain(self.ffn_norm),
+                                       self.w_gate_up, self.w_down, c.gain(self.post_ffn_norm), c.rms_norm_eps,
+                                       c.activation)
             if self.next_w_qkv is None:
                 return rmsnorm(x2, c.gain(final_norm), c.rms_norm_eps), None
             return x2, qkv_segment(c, self.index + 1, x2, pos, self.next_attn_norm, self.next_w_qkv, self.next_b_qkv,
@@ -397,7 +393,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_norms(self, i: int) -> dict[str, nn.Parameter]:
         """HF layer i's norms after attention by HF name, in HF's order: Llama's norm in front of the
-        MLP is its post-attention norm; Gemma's post-attention norm is a sandwich norm."""
+        MLP is its post-attention norm; Gemma's and OLMo 2's post-attention norm is on the attention
+        output."""
         layer = self.layers[i]
         if self.config.post_norm:
             return {"post_attention_layernorm": layer.post_attn_norm, "post_feedforward_layernorm": layer.post_ffn_norm}

@@ -12,6 +12,8 @@
 #                 untuned, each width in a fresh process (bench/block_kernels.py), 5-7 min
 #   first_call    seconds to the first training step from an empty cache and from a warm one, and each
 #                 kernel's first compile (bench/first_call.py; FIRST_CALL_ARGS, e.g. "--cases llama_1b")
+#   attention     attention over packed documents and sliding windows: SDPA with a mask, flash attention over
+#                 each document, FlexAttention, against SDPA's causal kernel (bench/attention.py), ~2 min
 #   train         end-to-end training steps per family and variant, each in its own process (bench/train.py;
 #                 TRAIN_ARGS picks models, shapes and variants, e.g. "--models llama3.2-1b --variants coda,hf_eager")
 # Investigation tools (bench/tools/):
@@ -56,6 +58,7 @@ for step in $steps; do
              | grep -v Warn | tee "$OUT/block_kernels.log" | grep "block D=\|x[0-9]" | tail -60 ;;
     first_call) timeout $STEP_TIMEOUT python3 bench/first_call.py --out "$OUT" ${FIRST_CALL_ARGS:-} 2>&1 \
                   | tee "$OUT/first_call.log" | tail -30 ;;
+    attention) timeout $STEP_TIMEOUT python3 bench/attention.py --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
     train) timeout $STEP_TIMEOUT python3 bench/train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | untuned_lines \
              | tee "$OUT/train.log" | grep '^\[train\]' | tail -40 ;;
     profile) timeout $STEP_TIMEOUT python3 bench/tools/profile_ops.py --out "$OUT" 2>&1 | untuned_lines \
@@ -68,7 +71,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, train, profile, rowwise, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, timeline)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

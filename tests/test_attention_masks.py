@@ -2,7 +2,7 @@
 padding (left and right) and documents packed in a row (also against HF run on each document
 alone) for each family from_hf takes, sliding windows shorter than the sequence, for every layer
 (Mistral) or per layer (Qwen2's layer_types, with its q/k/v biases); loss and every parameter
-gradient."""
+gradient. Then the two forms of a mask (attention.py): flash's sequences against the boolean mask."""
 
 from __future__ import annotations
 
@@ -151,3 +151,57 @@ def test_compiled_fullgraph_builds_the_same_masks() -> None:
         with torch.no_grad():  # equal up to rounding: masked SDPA where eager may take the is_causal kernel
             ours, eager = compiled(ids, labels=labels, **kw).loss, model(ids, labels=labels, **kw).loss
         assert abs(ours.item() - eager.item()) < 1e-5 * abs(eager.item()), kw
+
+
+# -- the two mask forms (attention.py) ------------------------------------------------------------
+
+def test_sequence_form_starts_where_documents_do() -> None:
+    from coda.models import masks
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    docs = masks.documents(pos)
+    got = masks.build(2, 6, pos.device, padding=None, docs=docs, window=4, sequences=True)
+    assert got.allowed is None and got.window == 4
+    assert got.starts.tolist() == [0, 3, 5, 6, 12]
+    rows = masks.build(2, 6, pos.device, padding=None, docs=None, window=3, sequences=True)
+    assert rows.starts.tolist() == [0, 6, 12] and rows.window == 3
+    assert masks.build(2, 6, pos.device, padding=None, docs=None, window=6, sequences=True) is None
+    pad = torch.ones(2, 6, dtype=torch.long)
+    pad[1, 0] = 0
+    padded = masks.build(2, 6, pos.device, padding=pad, docs=None, window=None, sequences=True)
+    assert padded.starts is None and padded.allowed is not None  # padding always takes the boolean form
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="flash attention's variable-length kernel runs on a GPU")
+@pytest.mark.parametrize("heads,kv,head_dim", [(4, 1, 256), (8, 2, 64)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: int, window: int | None) -> None:
+    """bf16 on the GPU: the sequence form (flash, variable length) against the fp32 boolean form, output
+    and q/k/v gradients, within twice the error of bf16 SDPA with the boolean mask."""
+    from coda.models import attention, masks
+
+    if not attention.varlen_applies(DEVICE, torch.bfloat16, head_dim):
+        pytest.skip("this torch has no variable-length flash attention with windows")
+    batch, seq = 2, 96
+    g = torch.Generator().manual_seed(0)
+    lengths = [[30, 17, 49], [96]]
+    pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).to(DEVICE)
+    docs = masks.documents(pos)
+    tokens = batch * seq
+    q, k, v = (torch.randn(tokens, n, head_dim, generator=g).to(DEVICE) for n in (heads, kv, kv))
+    grad = torch.randn(tokens, heads * head_dim, generator=g).to(DEVICE)
+    scale = head_dim ** -0.5
+
+    def run(dtype: torch.dtype, sequences: bool) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        mask = masks.build(batch, seq, DEVICE, padding=None, docs=docs, window=window, sequences=sequences)
+        assert (mask.starts is not None) == sequences
+        out = attention.attend(*leaves, batch, seq, mask, scale)
+        out.backward(grad.to(dtype))
+        return [out] + [t.grad for t in leaves]
+
+    ref = run(torch.float32, False)
+    dense = run(torch.bfloat16, False)
+    flash = run(torch.bfloat16, True)
+    for name, r, d, f in zip(("out", "dq", "dk", "dv"), ref, dense, flash):
+        assert rel(f, r) <= 2 * rel(d, r) + 1e-4, f"{name}: flash {rel(f, r):.3g}, bf16 SDPA {rel(d, r):.3g}"

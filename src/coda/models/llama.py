@@ -4,9 +4,9 @@ The residual stream is cut at shifted boundaries (docs/ALGEBRA.md 7): `first_seg
 embedding to layer 0's QKV projection, `block_segment` from layer l's attention output to layer
 l+1's QKV projection, `last_segment` from the last attention output to the final norm, and
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
-Attention is `F.scaled_dot_product_attention` (causal, GQA; padding, packed documents and sliding
-windows as masks built once per forward: masks.py) between them, or eager attention where scores
-are capped (Gemma 2). Gemma's layers end in their sandwich norms' row passes (sandwich.py), so the
+Attention runs between them (attention.py: SDPA, or flash attention over each document and
+window; the masks for padding, packed documents and sliding windows built once per forward:
+masks.py). Gemma's layers end in their sandwich norms' row passes (sandwich.py), so the
 next layer's qkv comes as layer 0's does (`qkv_segment`). The parameters are held
 in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
 forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
@@ -30,6 +30,7 @@ from ..ops.rmsnorm import rmsnorm
 from .families import FAMILIES, FROM_HF, foreign_code, problems
 from .llama_block import NativeBlockWeights, block_segment, inv_freq
 from .llama_ends import first_segment, last_segment
+from .attention import attend, varlen_applies
 from .masks import AttentionMask, build, documents, padding
 from .qkv_projection import whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual
@@ -207,17 +208,8 @@ class LlamaLayer(nn.Module):
     def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None) -> torch.Tensor:
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
-        q, k, v = qkv.view(batch, seq, h + 2 * kv, hd).transpose(1, 2).split([h, kv, kv], dim=1)
-        if c.attn_softcap is not None:
-            out = softcapped_attention(q, k, v, mask, c.attn_scale, c.attn_softcap)
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.attn_scale, enable_gqa=h != kv)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=c.attn_scale,
-                                                 enable_gqa=h != kv)
-            if mask.live is not None:
-                out = out.masked_fill(~mask.live, 0.0)
-        return out.transpose(1, 2).reshape(batch * seq, h * hd)
+        q, k, v = qkv.view(batch * seq, h + 2 * kv, hd).split([h, kv, kv], dim=1)
+        return attend(q, k, v, batch, seq, mask, c.attn_scale, c.attn_softcap)
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
                 final_norm: torch.Tensor | None = None,
@@ -268,26 +260,6 @@ def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, 
     return first_segment(x, pos, c.gain(attn_norm), w_qkv, n_heads=c.num_attention_heads,
                          n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta, rope_scaling=scaling,
                          b_qkv=b_qkv, qk_norm=None if q_norm is None else (c.gain(q_norm), c.gain(k_norm)))
-
-
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
-                         scale: float, cap: float) -> torch.Tensor:
-    """Attention whose scores are capped, c * tanh(s / c), before the mask and the softmax (Gemma 2).
-    No SDPA kernel applies a function to the scores, so this materializes them ([B, H, S, S]) as
-    transformers' eager attention does (Gemma 2's only one): the mask added as 0 or the dtype's
-    lowest value, the softmax in fp32. So a query with no key (left padding) averages every value,
-    and gradients flow as there. q: [B, H, S, hd]; k, v: [B, KV, S, hd]."""
-    seq = q.shape[2]
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H / KV q heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / cap) * cap
-    idx = torch.arange(seq, device=q.device)
-    allowed = (idx[None, :] <= idx[:, None]) if mask is None else mask.allowed
-    if mask is not None and mask.live is not None:  # masks.py lets a query with no key see itself: undo
-        allowed = allowed & mask.live
-    scores = scores + torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
-        ~allowed, torch.finfo(scores.dtype).min)
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _qkv_rows(c: LlamaConfig) -> int:
@@ -525,7 +497,11 @@ class LlamaForCausalLM(nn.Module):
             if attention_mask is None:
                 docs = documents(position_ids)
         pad = padding(attention_mask)
-        masks = {w: build(batch, seq, input_ids.device, padding=pad, docs=docs, window=w)
+        # Flash's variable-length kernel where it applies: not under capped scores, and with documents
+        # only outside compilation (their starts have a data-dependent count).
+        sequences = (c.attn_softcap is None and (docs is None or not torch.compiler.is_compiling())
+                     and varlen_applies(input_ids.device, self.embed_tokens.dtype, c.dim_per_head))
+        masks = {w: build(batch, seq, input_ids.device, padding=pad, docs=docs, window=w, sequences=sequences)
                  for w in {c.window(i) for i in range(c.num_hidden_layers)}}
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens, padding_idx=c.pad_token_id)
         if c.gemma:  # HF's scale: sqrt(D) as an fp32 number, rounded to the embedding's dtype

@@ -9,6 +9,10 @@ sliding window. Built once per forward, one mask per distinct window, shared by 
   starts wherever the position does not step by +1 from the previous token; attention never
   crosses one.
 * Sliding window w: key j is attended from query i only if i - w < j (and j <= i).
+
+A mask takes one of two forms (attention.py picks the kernel): a boolean [S, S] mask per row, or,
+for flash attention's variable-length kernel, where each document starts in the flattened tokens
+and the window (padding always takes the boolean form).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """`allowed`: [B, 1, S, S] bool, True where query (row) may attend key (column); `live`:
-    [B, 1, S, 1] bool, False for the rows that have no key (their output is zeroed), None when
-    every row has one."""
+    """Boolean form: `allowed` [B, 1, S, S], True where query (row) may attend key (column);
+    `live` [B, 1, S, 1], False for the rows that have no key (their output is zeroed), None when
+    every row has one. Sequence form: `starts` [N + 1] int32, where each of the N documents (or
+    rows) starts among the B * S tokens, then B * S; `window` the sliding window (None: none)."""
 
-    allowed: torch.Tensor
-    live: torch.Tensor | None
+    allowed: torch.Tensor | None = None
+    live: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    window: int | None = None
 
 
 def padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -48,10 +55,15 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor | None,
-          docs: torch.Tensor | None, window: int | None) -> AttentionMask | None:
-    """The mask for one window size (None: plain causal attention, SDPA's `is_causal` path)."""
-    if padding is None and docs is None and (window is None or window >= seq):
+          docs: torch.Tensor | None, window: int | None, sequences: bool = False) -> AttentionMask | None:
+    """The mask for one window size (None: plain causal attention, SDPA's `is_causal` path), in
+    the sequence form where `sequences` asks for it and nothing is padded."""
+    if window is not None and window >= seq:
+        window = None
+    if padding is None and docs is None and window is None:
         return None
+    if sequences and padding is None:
+        return AttentionMask(starts=_starts(batch, seq, device, docs), window=window)
     idx = torch.arange(seq, device=device)
     allowed = (idx[None, :] <= idx[:, None]).expand(batch, 1, seq, seq)
     if window is not None:
@@ -64,3 +76,14 @@ def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor |
         live = allowed.any(-1, keepdim=True)
         allowed = allowed | (~live & (idx[None, :] == idx[:, None]))
     return AttentionMask(allowed, live)
+
+
+def _starts(batch: int, seq: int, device: torch.device, docs: torch.Tensor | None) -> torch.Tensor:
+    """Where each document (each row, without documents) starts among the batch's tokens, then
+    their count: [N + 1] int32. With documents this reads their number (a device sync)."""
+    if docs is None:
+        return torch.arange(0, (batch + 1) * seq, seq, device=device, dtype=torch.int32)
+    first = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    first[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    end = torch.full((1,), batch * seq, device=device, dtype=torch.int32)
+    return torch.cat([first.flatten().nonzero().flatten().to(torch.int32), end])

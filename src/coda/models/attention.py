@@ -1,0 +1,88 @@
+"""The attention between a layer's GEMM segments: transformers' causal-LM attention under one
+layer's mask (masks.py), computed by the fastest torch kernel that computes exactly it.
+
+* No mask (causal, one document a row, no window reaching): SDPA's `is_causal` path.
+* Packed documents and sliding windows, bf16/fp16 on a GPU: flash attention over variable-length
+  sequences (`torch.nn.attention.varlen`), each document (or each row) its own sequence and the
+  window as flash's left window. No [S, S] mask is built, and the kernel skips the blocks that
+  lie outside a document or a window, so the work is the documents' and the windows' own; SDPA
+  with a boolean mask computes every block (bench/results/attention.md measures both).
+* Padding, fp32, the CPU, or a torch whose varlen attention has no window: SDPA with the
+  materialized boolean mask.
+* Capped scores (Gemma 2): eager attention on materialized scores, as transformers computes them
+  (no SDPA kernel applies a function to the scores).
+
+q: [T, H, hd] and k, v: [T, KV, hd], T = B * S tokens in row order; the output is [T, H * hd].
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .masks import AttentionMask
+
+
+@functools.cache
+def _varlen() -> Callable | None:
+    """torch's variable-length flash attention where it takes a window and grouped kv heads
+    (torch >= 2.10), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether masks for these activations should be sequence starts for flash's variable-length
+    kernel (bf16/fp16 on a CUDA GPU, head_dim at most 256 and a multiple of 8) rather than [S, S]
+    boolean masks. Padding is decided by the caller: it always takes the boolean mask."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim <= 256
+            and head_dim % 8 == 0 and _varlen() is not None)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: int,
+           mask: AttentionMask | None, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """The attention output [T, H * hd] of one layer (the module docstring says which kernel)."""
+    tokens, h, hd = q.shape
+    kv = k.shape[1]
+    if mask is not None and mask.starts is not None:
+        window = (-1, 0) if mask.window is None else (mask.window - 1, 0)  # HF's window counts the query
+        out = _varlen()(q, k, v, mask.starts, mask.starts, seq, seq, scale=scale, window_size=window,
+                        enable_gqa=h != kv)
+        return out.reshape(tokens, h * hd)
+    q, k, v = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
+    if softcap is not None:
+        out = softcapped_attention(q, k, v, mask, scale, softcap)
+    elif mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != kv)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale, enable_gqa=h != kv)
+        if mask.live is not None:
+            out = out.masked_fill(~mask.live, 0.0)
+    return out.transpose(1, 2).reshape(tokens, h * hd)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention whose scores are capped, c * tanh(s / c), before the mask and the softmax (Gemma 2).
+    This materializes the scores ([B, H, S, S]) as transformers' eager attention does (Gemma 2's
+    only one): the mask added as 0 or the dtype's lowest value, the softmax in fp32. So a query
+    with no key (left padding) averages every value, and gradients flow as there.
+    q: [B, H, S, hd]; k, v: [B, KV, S, hd]."""
+    seq = q.shape[2]
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H / KV q heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / cap) * cap
+    idx = torch.arange(seq, device=q.device)
+    allowed = (idx[None, :] <= idx[:, None]) if mask is None else mask.allowed
+    if mask is not None and mask.live is not None:  # masks.py lets a query with no key see itself: undo
+        allowed = allowed & mask.live
+    scores = scores + torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
+        ~allowed, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -12,12 +12,12 @@
 #                 untuned, each width in a fresh process (bench/block_kernels.py), 5-7 min
 #   first_call    seconds to the first training step from an empty cache and from a warm one, and each
 #                 kernel's first compile (bench/first_call.py; FIRST_CALL_ARGS, e.g. "--cases llama_1b")
-#   attention     attention over packed documents and sliding windows: SDPA with a mask, flash attention over
-#                 each document, FlexAttention, against SDPA's causal kernel (bench/attention.py), ~2 min
 #   train         end-to-end training steps per family and variant, each in its own process (bench/train.py;
 #                 TRAIN_ARGS picks models, shapes and variants, e.g. "--models llama3.2-1b --variants coda,hf_eager")
 # Investigation tools (bench/tools/):
 #   profile       where the ops' time goes, kernel by kernel (profile_ops.py), 0.5 min
+#   attention     attention over packed documents and sliding windows: SDPA with a mask, flash attention over
+#                 each document, FlexAttention, against SDPA's causal kernel (attention.py), ~3 min
 #   rowwise       the row-pass kernels against torch.add's bandwidth (rowwise_bandwidth.py), ~1 min
 #   timeline      per-tile timelines of the block's fused GEMMs, as generated and with template v4's changes
 #                 undone (timeline.py variants), ~4 min
@@ -58,7 +58,7 @@ for step in $steps; do
              | grep -v Warn | tee "$OUT/block_kernels.log" | grep "block D=\|x[0-9]" | tail -60 ;;
     first_call) timeout $STEP_TIMEOUT python3 bench/first_call.py --out "$OUT" ${FIRST_CALL_ARGS:-} 2>&1 \
                   | tee "$OUT/first_call.log" | tail -30 ;;
-    attention) timeout $STEP_TIMEOUT python3 bench/attention.py --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+    attention) timeout $STEP_TIMEOUT python3 bench/tools/attention.py --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
     train) timeout $STEP_TIMEOUT python3 bench/train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | untuned_lines \
              | tee "$OUT/train.log" | grep '^\[train\]' | tail -40 ;;
     profile) timeout $STEP_TIMEOUT python3 bench/tools/profile_ops.py --out "$OUT" 2>&1 | untuned_lines \

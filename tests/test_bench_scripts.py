@@ -399,3 +399,16 @@ def test_measured_or_merged_reads_back_needs_a_gpu_and_seeds(cpu_harness, tmp_pa
     torch.manual_seed(0)
     assert data["rows"] == [torch.rand(1).item()] and data["notes"] == ["a note"]
     assert data["meta"]["gpu"] == "fake" and data["meta"]["protocol"] == "p"
+
+
+def test_attention_script(cpu_harness) -> None:
+    """The attention tool's checked variants on a tiny fp32 case (flash's needs bf16 on a GPU, FlexAttention a
+    compile): the boolean mask against its fp32 self, the causal yardstick unchecked."""
+    import attention as at
+
+    cases = {"packed_window": (4, 2, 8, 5, True), "window": (2, 1, 16, 3, False)}
+    rows = at.measure(batch=2, seq=32, cases=cases, variants=("sdpa_causal", "sdpa_mask"), dtype=torch.float32)
+    assert cpu_harness.NOTES == []
+    assert [(r["case"], r["variant"]) for r in rows] == [(c, v) for c in cases for v in ("sdpa_causal", "sdpa_mask")]
+    assert all(r["error"] < 1e-6 for r in rows if r["variant"] == "sdpa_mask")
+    assert "| packed_window | 4 / 2 x 8 | 5 | sdpa_mask |" in at.table(rows)

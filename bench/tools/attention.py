@@ -19,8 +19,8 @@ largest relative error of output and gradients, which must stay within 2x bf16 s
 then timed (median, do_bench). first_s: its first call (flex's compile); mask_ms: building its mask
 (once per forward, shared by the layers with that window).
 
-    python bench/attention.py --out DIR
-    python bench/attention.py --merge DIR/attention.json --out bench/results
+    python bench/tools/attention.py --out DIR
+    python bench/tools/attention.py --merge DIR/attention.json --out bench/results/attention
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared harness, train.py
 
 import torch
 
@@ -48,14 +48,14 @@ CASES = {  # name: (q heads, kv heads, head_dim, window, packed)
 VARIANTS = ("sdpa_causal", "sdpa_mask", "flash_varlen", "flex")
 
 
-def _documents(device: torch.device) -> torch.Tensor:
+def _documents(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """[B, S] document index per token: train.py's packed rows."""
     from train import batches
 
-    return masks.documents(batches(8, BATCH, SEQ, True, str(device), count=1)[0]["position_ids"])
+    return masks.documents(batches(8, batch, seq, True, str(device), count=1)[0]["position_ids"])
 
 
-def _flex(heads: int, kv: int, docs: torch.Tensor | None, window: int | None):
+def _flex(batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None, window: int | None):
     """(make_mask, run) of FlexAttention with the rule of masks.py, for q/k/v in token-major layout."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -70,22 +70,23 @@ def _flex(heads: int, kv: int, docs: torch.Tensor | None, window: int | None):
         return ok
 
     def make_mask():
-        return create_block_mask(rule, BATCH, None, SEQ, SEQ, device=harness.DEVICE)
+        return create_block_mask(rule, batch, None, seq, seq, device=harness.DEVICE)
 
     def run(q, k, v, block_mask, scale):
-        q, k, v = (t.view(BATCH, SEQ, -1, t.shape[-1]).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, seq, -1, t.shape[-1]).transpose(1, 2) for t in (q, k, v))
         out = compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=heads != kv)
-        return out.transpose(1, 2).reshape(BATCH * SEQ, -1)
+        return out.transpose(1, 2).reshape(batch * seq, -1)
 
     return make_mask, run
 
 
-def _variant(name: str, heads: int, kv: int, docs: torch.Tensor | None, window: int | None):
+def _variant(name: str, batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None,
+             window: int | None):
     """(make_mask, run(q, k, v, mask, scale)) of one variant."""
     dev = torch.device(harness.DEVICE)
 
     def coda_attend(q, k, v, mask, scale):
-        return attention.attend(q, k, v, BATCH, SEQ, mask, scale)
+        return attention.attend(q, k, v, batch, seq, mask, scale)
 
     if name == "sdpa_causal":
         return (lambda: None), coda_attend
@@ -93,39 +94,41 @@ def _variant(name: str, heads: int, kv: int, docs: torch.Tensor | None, window: 
         sequences = name == "flash_varlen"
         if sequences and not attention.varlen_applies(dev, torch.bfloat16, 64):
             raise RuntimeError(f"torch {torch.__version__} has no variable-length flash attention with windows")
-        return (lambda: masks.build(BATCH, SEQ, dev, padding=None, docs=docs, window=window,
+        return (lambda: masks.build(batch, seq, dev, padding=None, docs=docs, window=window,
                                     sequences=sequences)), coda_attend
-    return _flex(heads, kv, docs, window)
+    return _flex(batch, seq, heads, kv, docs, window)
 
 
-def measure() -> list[dict]:
+def measure(batch: int = BATCH, seq: int = SEQ, cases: dict = CASES, variants: tuple[str, ...] = VARIANTS,
+            dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """A row per case and variant (a variant that fails is a note)."""
     dev, rows = torch.device(harness.DEVICE), []
-    packed_docs = _documents(dev)
-    for case, (heads, kv, hd, window, packed) in CASES.items():
+    packed_docs = _documents(batch, seq, dev)
+    for case, (heads, kv, hd, window, packed) in cases.items():
         docs = packed_docs if packed else None
         g = torch.Generator(device=dev).manual_seed(0)
-        q, k, v = (torch.randn(BATCH * SEQ, n, hd, device=dev, generator=g) for n in (heads, kv, kv))
-        grad = torch.randn(BATCH * SEQ, heads * hd, device=dev, generator=g).bfloat16()
+        q, k, v = (torch.randn(batch * seq, n, hd, device=dev, generator=g) for n in (heads, kv, kv))
+        grad = torch.randn(batch * seq, heads * hd, device=dev, generator=g).to(dtype)
         scale = hd ** -0.5
-        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-        exact = masks.build(BATCH, SEQ, dev, padding=None, docs=docs, window=window)
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        exact = masks.build(batch, seq, dev, padding=None, docs=docs, window=window)
         ref_leaves = [t.requires_grad_() for t in (q, k, v)]
-        ref_out = attention.attend(*ref_leaves, BATCH, SEQ, exact, scale)
+        ref_out = attention.attend(*ref_leaves, batch, seq, exact, scale)
         ref = [ref_out, *torch.autograd.grad(ref_out, ref_leaves, grad.float())]
         bound = None
-        for name in VARIANTS:
+        for name in variants:
             try:
-                make_mask, run = _variant(name, heads, kv, docs, window)
+                make_mask, run = _variant(name, batch, seq, heads, kv, docs, window)
 
                 def step():
                     out = run(*leaves, mask, scale)
                     return [out, *torch.autograd.grad(out, leaves, grad)]
 
-                torch.cuda.synchronize()
+                _sync()
                 start = time.perf_counter()
                 mask = make_mask()
                 got = step()
-                torch.cuda.synchronize()
+                _sync()
                 first_s = time.perf_counter() - start
                 err = max(rel_err(a, b) for a, b in zip(got, ref))
                 if name == "sdpa_mask":
@@ -143,6 +146,11 @@ def measure() -> list[dict]:
                 NOTES.append(f"{case} {name}: {type(exc).__name__}: {str(exc)[:300]}")
                 log(f"  {case} {name}: {type(exc).__name__}: {str(exc)[:300]}")
     return rows
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def table(rows: list[dict]) -> str:

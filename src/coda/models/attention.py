@@ -29,13 +29,16 @@ from .masks import AttentionMask
 
 @functools.cache
 def _varlen() -> Callable | None:
-    """torch's variable-length flash attention where it takes a window and grouped kv heads
-    (torch >= 2.10), else None."""
+    """torch's variable-length flash attention where it takes a window (torch >= 2.11), else None.
+    Flash serves grouped kv heads natively; torch >= 2.12 asks for `enable_gqa` to allow them."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params:
+        return None
+    return functools.partial(varlen_attn, enable_gqa=True) if "enable_gqa" in params else varlen_attn
 
 
 def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -53,8 +56,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: i
     kv = k.shape[1]
     if mask is not None and mask.starts is not None:
         window = (-1, 0) if mask.window is None else (mask.window - 1, 0)  # HF's window counts the query
-        out = _varlen()(q, k, v, mask.starts, mask.starts, seq, seq, scale=scale, window_size=window,
-                        enable_gqa=h != kv)
+        out = _varlen()(q, k, v, mask.starts, mask.starts, seq, seq, scale=scale, window_size=window)
         return out.reshape(tokens, h * hd)
     q, k, v = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
     if softcap is not None:

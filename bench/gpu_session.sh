@@ -2,7 +2,8 @@
 # One device call's worth of H200 work, everything under $OUT; steps run in the order given.
 # The user-facing steps (docs/PERFORMANCE.md shows what epilogues, ops, block and train last measured, and its file):
 #   tests         the GPU tier of the test suite (default configs; tests pick larger shapes on a GPU; 8 xdist
-#                 workers, since compiling kernels on the host's CPUs is most of its time), ~3 min
+#                 workers, since compiling kernels on the host's CPUs is most of its time), ~4 min; TESTS_ARGS
+#                 picks test files
 #   tests_triton  the same with CODA_BACKEND=triton: `tests` runs gluon-hopper wherever it can, so this is
 #                 where the Triton backend meets the whole suite on the GPU, ~3 min
 #   epilogues     each fused GEMM against its bare GEMM and the peers (bench/gemm_epilogues.py), ~4 min
@@ -47,7 +48,7 @@ untuned_lines() { grep -v '^\[coda tune\]   \['; }
 timeline_rows() { grep -v Warn | sed -e 's/config=.*cooperative=[A-Za-z]*//'; }
 for step in $steps; do
   case $step in
-    tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 tests 2>&1 \
+    tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 ${TESTS_ARGS:-tests} 2>&1 \
              | tee "$OUT/gpu_tier.log" | tail -15 ;;
     tests_triton) CODA_BACKEND=triton CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
                     -n 8 tests 2>&1 | tee "$OUT/gpu_tier_triton.log" | tail -15 ;;

@@ -205,3 +205,37 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
     flash = run(torch.bfloat16, True)
     for name, r, d, f in zip(("out", "dq", "dk", "dv"), ref, dense, flash):
         assert rel(f, r) <= 2 * rel(d, r) + 1e-4, f"{name}: flash {rel(f, r):.3g}, bf16 SDPA {rel(d, r):.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_packed_bf16_error_is_within_hf_bf16_error(family: str) -> None:
+    """bf16 over packed documents (and Gemma 3's window): on a GPU the sequence form (flash over each
+    document), on the CPU the boolean form. Against HF fp32 on the same bf16-rounded weights, coda's
+    bf16 loss and gradients are no further off than HF's own bf16 run (twice its error plus a bf16 ulp:
+    the bound of the other bf16 tests)."""
+    import copy
+
+    hf32 = hf_model(family, use_cache=False, **FAMILIES[family])
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    model = coda.models.from_hf(hf16)
+    ids, labels = ids_and_labels()
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None].to(DEVICE)
+
+    def step(m: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
+        if isinstance(m, LlamaForCausalLM):
+            out = m(ids, labels=labels, position_ids=pos)
+            out.loss.backward()
+            return out.loss.item(), {n: g.float() for n, g in m.to_hf_state_dict(grads=True).items()}
+        out = m(input_ids=ids, labels=labels, position_ids=pos)
+        out.loss.backward()
+        grads = {n: p.grad.float() for n, p in m.named_parameters()}
+        grads.setdefault("lm_head.weight", grads["model.embed_tokens.weight"])
+        return out.loss.item(), grads
+
+    (ref_loss, ref), (hf_loss, hf), (loss, ours) = step(hf32), step(hf16), step(model)
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        err, hf_err = rel(ours[name], g), rel(hf[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"

@@ -6,7 +6,7 @@ layer's mask (masks.py), computed by the fastest torch kernel that computes exac
   sequences (`torch.nn.attention.varlen`), each document (or each row) its own sequence and the
   window as flash's left window. No [S, S] mask is built, and the kernel skips the blocks that
   lie outside a document or a window, so the work is the documents' and the windows' own; SDPA
-  with a boolean mask computes every block (bench/results/attention/attention.md measures both).
+  with a boolean mask computes every block (bench/tools/attention.py measures both).
 * Padding, fp32, the CPU, or a torch whose varlen attention has no window: SDPA with the
   materialized boolean mask.
 * Capped scores (Gemma 2): eager attention on materialized scores, as transformers computes them

@@ -20,7 +20,7 @@ then timed (median, do_bench). first_s: its first call (flex's compile); mask_ms
 (once per forward, shared by the layers with that window).
 
     python bench/tools/attention.py --out DIR
-    python bench/tools/attention.py --merge DIR/attention.json --out bench/results/attention
+    python bench/tools/attention.py --merge DIR/attention.json --out bench/results/attention_<commit>
 """
 
 from __future__ import annotations

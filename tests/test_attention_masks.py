@@ -18,13 +18,15 @@ from conftest import DEVICE, attention, rel  # noqa: E402
 VOCAB, SEQ = 96, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
-# Per family what changes its attention: QK-norm (qwen3, gemma3_text), a window shorter than the
-# sequence on layer 0 (Gemma's), capped scores under HF's eager attention (gemma2), Phi-3's fused
-# projections and a window on every layer, OLMo 2's whole-width q/k norms; pad_token_id 0 (HF's default
-# pad id is past VOCAB for Phi-3 and OLMo 2).
+# Per family what changes its attention: QK-norm (qwen3, gemma3_text), head_dim apart from
+# hidden_size / heads (qwen3, gemma), a window shorter than the sequence on layer 0 (Gemma 2/3's),
+# capped scores under HF's eager attention (gemma2), Phi-3's fused projections and a window on every
+# layer, OLMo 2's whole-width q/k norms; pad_token_id 0 (Gemma's default; HF's default pad id is past
+# VOCAB for Phi-3 and OLMo 2).
 FAMILIES = {
     "llama": dict(pad_token_id=0),
     "qwen3": dict(head_dim=16),
+    "gemma": dict(head_dim=16),
     "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
                         layer_types=["sliding_attention", "full_attention"]),
     "gemma2": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6, attn_logit_softcapping=2.0,

@@ -14,7 +14,7 @@ from conftest import DEVICE, EPS, rel, scale
 
 
 
-def make(dtype: torch.dtype, m: int, d: int, heads: int, kv: int, hd: int, f: int) -> tuple:
+def make(dtype: torch.dtype, m: int, d: int, heads: int, kv: int, hd: int, f: int, activation: str = "silu") -> tuple:
     def p(*shape: int, s: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, device=DEVICE) * s).to(dtype).requires_grad_()
 
@@ -22,6 +22,7 @@ def make(dtype: torch.dtype, m: int, d: int, heads: int, kv: int, hd: int, f: in
         wo=p(d, heads * hd, s=(heads * hd) ** -0.5), g_ffn=p(d, s=0.3), w_gate=p(f, d, s=d**-0.5),
         w_up=p(f, d, s=d**-0.5), w_down=p(d, f, s=f**-0.5), g_attn=p(d, s=0.3), wq=p(heads * hd, d, s=d**-0.5),
         wk=p(kv * hd, d, s=d**-0.5), wv=p(kv * hd, d, s=d**-0.5), n_heads=heads, n_kv_heads=kv,
+        activation=activation,
     )
     attn, x0 = p(m, heads * hd), p(m, d)
     pos = (torch.arange(m, device=DEVICE) * 7) % 61
@@ -35,10 +36,12 @@ def to_coda_layout(d_qkv: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     return torch.cat([q, k, d_qkv[:, nq + nk:]], -1)
 
 
-@pytest.mark.parametrize("m,d,heads,kv,hd,f", [(20, 32, 4, 2, 8, 48), (13, 48, 3, 1, 16, 40)])
-def test_block_matches_pytorch_in_fp32(m: int, d: int, heads: int, kv: int, hd: int, f: int) -> None:
+@pytest.mark.parametrize("m,d,heads,kv,hd,f,activation", [(20, 32, 4, 2, 8, 48, "silu"), (13, 48, 3, 1, 16, 40, "silu"),
+                                                            (20, 32, 4, 2, 8, 48, "gelu_tanh")])
+def test_block_matches_pytorch_in_fp32(m: int, d: int, heads: int, kv: int, hd: int, f: int, activation: str) -> None:
+    """SwiGLU (Llama's) and GeGLU (Gemma 1's: the activation is the gate/up GEMM's epilogue)."""
     m, d, f, hd = scale(m, 64 * m), scale(d, 8 * d), scale(f, 8 * f), scale(hd, 64)
-    w, attn, x0, pos = make(torch.float32, m, d, heads, kv, hd, f)
+    w, attn, x0, pos = make(torch.float32, m, d, heads, kv, hd, f, activation)
     x2, qkv = block_segment(attn, x0, pos, w)
     rx2, rqkv = reference_block_segment(attn, x0, pos, w)
     bound = 64 * math.sqrt(max(m, d, f)) * EPS[torch.float32]  # fp32: accumulation order only
@@ -94,6 +97,8 @@ def test_native_weights_round_trip_and_reject_bad_shapes() -> None:
         NativeBlockWeights(nw.wo, nw.g_ffn, nw.w_gate_up, nw.w_down, nw.g_attn, nw.w_qkv[:60], **args)
     with pytest.raises(ValueError, match=r"w_gate_up \[48, 32\] must be \[2F, D\] for w_down \[32, 48\]"):
         NativeBlockWeights(nw.wo, nw.g_ffn, nw.w_gate_up[:48], nw.w_down, nw.g_attn, nw.w_qkv, **args)
+    with pytest.raises(ValueError, match=r"activation must be one of \['gelu_tanh', 'silu'\], got 'gelu'"):
+        NativeBlockWeights(nw.wo, nw.g_ffn, nw.w_gate_up, nw.w_down, nw.g_attn, nw.w_qkv, **args, activation="gelu")
     with pytest.raises(TypeError, match="weights must be BlockWeights or NativeBlockWeights, got tuple"):
         block_segment(torch.zeros(4, 32), torch.zeros(4, 32), torch.zeros(4, dtype=torch.long), w.tensors())
 

@@ -37,6 +37,9 @@ FROM_HF_CASES = {
     # QK-norm (q_norm, k_norm perturbed like every norm), tied, layer 1 windowed; head_dim 16, not 128
     "qwen3": dict(head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
                   max_window_layers=1),
+    # Llama's layer with (1 + w) norms (in the fused segments), GeGLU, the embedding scale; tied (its
+    # default), pad id 0 (its default: token 0 is in batch()); head_dim 16, not hidden_size / heads
+    "gemma": dict(head_dim=16),
     # (1 + w) norms, sandwich norms, GeGLU, embedding scale, QK-norm, tied; a window shorter than the
     # sequence on layer 0 with its own RoPE base, layer 1 global with linear RoPE scaling (Gemma 3 4B's);
     # query_pre_attn_scalar
@@ -243,7 +246,7 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
     layout, OLMo 2's post-norms and whole-width q/k norms in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
@@ -261,7 +264,7 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2"])
 def test_from_hf_logits_match_hf(model_type: str) -> None:
     """Without labels the model returns HF's logits (Gemma 2's capped)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -283,11 +286,11 @@ def test_from_hf_warns_where_transformers_runs_gemma2_uncapped() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "olmo2"])
 def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
-    """The row passes of Gemma's sandwich norms and OLMo 2's post-norms and q/k norms, and the capped
-    attention, trace whole (fullgraph) and recompute under activation checkpointing: the eager loss and
-    gradients."""
+    """Gemma 1's gains formed outside the fused segments, the row passes of Gemma 2/3's sandwich norms
+    and OLMo 2's post-norms and q/k norms, and the capped attention, trace whole (fullgraph) and
+    recompute under activation checkpointing: the eager loss and gradients."""
     torch._dynamo.reset()
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
     eager = run(coda.models.from_hf(hf), lambda m: m.to_hf_state_dict(grads=True))
@@ -302,15 +305,32 @@ def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: 
             assert rel(g.double(), eager[1][name]) < 1e-6, name
 
 
-def test_config_refuses_post_norm_with_another_layout() -> None:
-    """OLMo 2's post-norm layer has no input norms and whole-width q/k norms: with Gemma's layer,
-    per-head QK-norm or q/k/v biases the config would describe a model no family is."""
+def test_config_refuses_layouts_no_family_has() -> None:
+    """OLMo 2's post-norm layer has no input norms and whole-width q/k norms: with Gemma's norms or
+    sandwich layer, per-head QK-norm or q/k/v biases the config would describe a model no family is;
+    so would Gemma 2/3's sandwich layer without Gemma's (1 + w) norms and GeGLU."""
     shape = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, post_norm=True)
-    coda.models.LlamaConfig(**shape)
-    for other in ("gemma", "qk_norm", "qkv_bias"):
+                 num_key_value_heads=1)
+    coda.models.LlamaConfig(**shape, post_norm=True)
+    coda.models.LlamaConfig(**shape, gemma=True)  # Gemma 1
+    coda.models.LlamaConfig(**shape, gemma=True, sandwich=True)  # Gemma 2/3
+    for other in ("gemma", "sandwich", "qk_norm", "qkv_bias"):
         with pytest.raises(ValueError, match="post_norm .* describes no family"):
-            coda.models.LlamaConfig(**shape, **{other: True})
+            coda.models.LlamaConfig(**shape, post_norm=True, **{other: True})
+    with pytest.raises(ValueError, match="sandwich .* without gemma's norms and MLP describes no family"):
+        coda.models.LlamaConfig(**shape, sandwich=True)
+
+
+def test_gemma_layouts_by_family() -> None:
+    """Every Gemma takes Gemma's gains, GeGLU and embedding scale; only Gemma 2/3 the sandwich layer
+    (their extra norms, by HF name), Gemma 1 Llama's."""
+    for model_type, sandwich in (("gemma", False), ("gemma2", True), ("gemma3_text", True)):
+        config = coda.models.LlamaConfig.from_hf(CONFIGS[model_type](**SHAPE, head_dim=8))
+        assert (config.gemma, config.sandwich, config.activation) == (True, sandwich, "gelu_tanh"), model_type
+    norms = [k for k in coda.models.from_hf(hf_model("gemma", head_dim=8)).to_hf_state_dict() if "norm" in k]
+    assert norms == ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+                     "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+                     "model.norm.weight"]
 
 
 def test_from_hf_reads_every_weight() -> None:

@@ -48,6 +48,17 @@ def test_row_scale_and_rms_swiglu() -> None:
     close(out["z"][:, 1::2], up, D, "z up")
 
 
+def test_rms_geglu_scales_the_rows_before_the_gelu() -> None:
+    """The block's GeGLU (Gemma 1): z = rstd * (h @ Wgu.T), y = gelu_tanh(gate) * up."""
+    h, wg, wu = rn(M, D), rn(N, D), rn(N, D)
+    rstd = torch.rand(M, device=DEVICE) + 0.5
+    out = coda.gemm(h, coda.ops.interleave_gate_up(wg, wu).T, E.rms_geglu, rstd=rstd)
+    gate, up = rstd[:, None] * (h @ wg.T), rstd[:, None] * (h @ wu.T)
+    close(out["y"], F.gelu(gate, approximate="tanh") * up, D, "y")
+    close(out["z"][:, 0::2], gate, D, "z gate")
+    close(out["z"][:, 1::2], up, D, "z up")
+
+
 def test_rms_rope_matches_half_split_rope() -> None:
     heads, hd = 3, 8
     h, wq = rn(M, D), rn(heads * hd, D)

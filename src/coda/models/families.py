@@ -142,8 +142,8 @@ _GEMMA = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS), "sli
           # Read when the config is built (older transformers spell the window pattern without the
           # underscore and name generate()'s cache class): no model math reads them.
           "_sliding_window_pattern": DERIVED, "sliding_window_pattern": DERIVED, "cache_implementation": DERIVED}
-# Gemma (1): Llama's decoder layer with Gemma's (1 + w) norms, GeGLU MLP and embedding scale, through
-# coda.patch (coda's own model has Gemma's norms only with the sandwich layout of Gemma 2/3).
+# Gemma (1): Llama's decoder layer with Gemma's (1 + w) norms, GeGLU MLP and embedding scale (in coda's
+# model the fused block segments with the gains as tensors and the GeGLU epilogues).
 _GEMMA1 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS),
            "hidden_act": GELU_TANH,
            "use_bidirectional_attention": _GEMMA["use_bidirectional_attention"]}
@@ -166,7 +166,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
                            **_WINDOWS}, qk_norm=True),
-    Family("gemma", frozenset({PATCH}), _GEMMA1, gemma_norms=True),  # Llama's layer with Gemma's norms and MLP
+    Family("gemma", BOTH, _GEMMA1, gemma_norms=True),  # Llama's layer with Gemma's norms and MLP
     Family("gemma2", BOTH, _GEMMA, gemma_norms=True, sandwich=True),  # Gemma 3's layer without QK-norm
     Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, sandwich=True, qk_norm=True),
     Family("phi3", BOTH, _PHI3, fused_projections=True),

@@ -6,8 +6,9 @@ l+1's QKV projection, `last_segment` from the last attention output to the final
 `coda.ops.linear_cross_entropy` does the LM head and the loss without materializing logits.
 Attention runs between them (attention.py: SDPA, or flash attention over each document and
 window; the masks for padding, packed documents and sliding windows built once per forward:
-masks.py). Gemma's layers end in their sandwich norms' row passes (sandwich.py), so the
-next layer's qkv comes as layer 0's does (`qkv_segment`). The parameters are held
+masks.py). Gemma's (1 + w) gains enter every segment as tensors (`LlamaConfig.gain`) and its GeGLU
+as the segments' activation; Gemma 2/3's layers end in their sandwich norms' row passes
+(sandwich.py), so the next layer's qkv comes as layer 0's does (`qkv_segment`). The parameters are held
 in coda's layouts (gate/up interleaved, q/k pair-permuted and fused with v) by the module whose
 forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding needs: MODEL.md);
 `from_hf` / `to_hf_state_dict` convert from and to transformers' names, grouping and layouts.
@@ -56,9 +57,12 @@ class LlamaConfig:
     layer_types: tuple[str, ...] | None = None  # per layer "full_attention" / "sliding_attention"; None: all windowed
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
     qk_norm: bool = False  # each q and k head RMS-normalized (own [head_dim] weights, rms_norm_eps) before RoPE (Qwen3)
-    # Gemma 2/3: norms scale by (1 + w); sandwich norms on the attention and MLP outputs (sandwich.py);
-    # GeGLU (tanh GELU) for SwiGLU; the embedding scaled by sqrt(hidden_size) in the model dtype.
+    # Every Gemma: norms scale by (1 + w) (`gain`); GeGLU (tanh GELU) for SwiGLU (`activation`); the
+    # embedding scaled by sqrt(hidden_size) in the model dtype.
     gemma: bool = False
+    # Gemma 2/3 (with gemma): sandwich norms on the attention and MLP outputs, a norm in front of the
+    # MLP too (sandwich.py); without it, Llama's layer (Gemma 1).
+    sandwich: bool = False
     # OLMo 2: no norm in front of attention or the MLP; norms on the attention and MLP outputs
     # (sandwich.post_norm_residual); q and k each RMS-normalized over its whole width ([H*hd] and
     # [KV*hd] weights, rms_norm_eps) before RoPE (qkv_projection.whole_qk_norm_qkv).
@@ -70,8 +74,11 @@ class LlamaConfig:
     fused_projections: bool = False  # HF holds one qkv_proj and one gate_up_proj per layer (Phi-3): names only
 
     def __post_init__(self) -> None:
-        if self.post_norm and (self.gemma or self.qk_norm or self.qkv_bias):
-            raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, qk_norm or qkv_bias describes no "
+        if self.post_norm and (self.gemma or self.sandwich or self.qk_norm or self.qkv_bias):
+            raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, sandwich, qk_norm or qkv_bias "
+                             "describes no family coda computes")
+        if self.sandwich and not self.gemma:
+            raise ValueError("LlamaConfig: sandwich (Gemma 2/3's layer) without gemma's norms and MLP describes no "
                              "family coda computes")
 
     @property
@@ -132,7 +139,8 @@ class LlamaConfig:
                    pad_token_id=getattr(config, "pad_token_id", None),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.sandwich, post_norm=family.post_norm,
+                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.gemma_norms,
+                   sandwich=family.sandwich, post_norm=family.post_norm,
                    local_rope=local,
                    fused_projections=family.fused_projections,
                    query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
@@ -193,12 +201,13 @@ class LlamaLayer(nn.Module):
         last = index == c.num_hidden_layers - 1
         self.config, self.index = c, index
         self.wo = nn.Parameter(torch.empty(d, c.num_attention_heads * hd, **factory))
-        # Gemma's sandwich norms and OLMo 2's post-norms on the attention and MLP outputs (None elsewhere).
-        self.post_attn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma or c.post_norm else None
+        # Gemma 2/3's sandwich norms and OLMo 2's post-norms on the attention and MLP outputs (None elsewhere).
+        outputs_normed = c.sandwich or c.post_norm
+        self.post_attn_norm = nn.Parameter(torch.ones(d, **factory)) if outputs_normed else None
         self.ffn_norm = None if c.post_norm else nn.Parameter(torch.ones(d, **factory))  # the norm in front of the MLP
         self.w_gate_up = nn.Parameter(torch.empty(2 * f, d, **factory))
         self.w_down = nn.Parameter(torch.empty(d, f, **factory))
-        self.post_ffn_norm = nn.Parameter(torch.ones(d, **factory)) if c.gemma or c.post_norm else None
+        self.post_ffn_norm = nn.Parameter(torch.ones(d, **factory)) if outputs_normed else None
         # Layer i+1's input norm and fused, pair-permuted QKV projection (none after the last layer).
         self.next_attn_norm = None if last or c.post_norm else nn.Parameter(torch.ones(d, **factory))
         self.next_w_qkv = None if last else nn.Parameter(torch.empty(_qkv_rows(c), d, **factory))
@@ -221,7 +230,7 @@ class LlamaLayer(nn.Module):
         attn = self._attention(qkv, batch, seq, mask)
         if self.next_w_qkv is None and final_norm is None:
             raise ValueError("the last LlamaLayer needs the model's final norm weight")
-        if c.gemma or c.post_norm:  # norms on the outputs: row passes, then the next qkv as layer 0's
+        if c.sandwich or c.post_norm:  # norms on the outputs: row passes, then the next qkv as layer 0's
             if c.post_norm:
                 x2 = post_norm_residual(attn, x, self.wo, self.post_attn_norm, self.w_gate_up, self.w_down,
                                         self.post_ffn_norm, c.rms_norm_eps)
@@ -234,13 +243,14 @@ class LlamaLayer(nn.Module):
             return x2, qkv_segment(c, self.index + 1, x2, pos, self.next_attn_norm, self.next_w_qkv, self.next_b_qkv,
                                    self.next_q_norm, self.next_k_norm)
         if self.next_w_qkv is None:
-            return last_segment(attn, x, self.wo, self.ffn_norm, self.w_gate_up, self.w_down, final_norm,
-                                c.rms_norm_eps), None
+            return last_segment(attn, x, self.wo, c.gain(self.ffn_norm), self.w_gate_up, self.w_down,
+                                c.gain(final_norm), c.rms_norm_eps, c.activation), None
         theta, scaling = c.rope(self.index + 1)
-        w = NativeBlockWeights(wo=self.wo, g_ffn=self.ffn_norm, w_gate_up=self.w_gate_up, w_down=self.w_down,
-                               g_attn=self.next_attn_norm, w_qkv=self.next_w_qkv, n_heads=c.num_attention_heads,
-                               n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta,
-                               rope_scaling=None if scaling is None else list(scaling),
+        w = NativeBlockWeights(wo=self.wo, g_ffn=c.gain(self.ffn_norm), w_gate_up=self.w_gate_up, w_down=self.w_down,
+                               g_attn=c.gain(self.next_attn_norm), w_qkv=self.next_w_qkv,
+                               n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
+                               rope_base=theta, rope_scaling=None if scaling is None else list(scaling),
+                               activation=c.activation,
                                b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv],
                                qk_norm=[] if self.next_q_norm is None else [self.next_q_norm, self.next_k_norm])
         return block_segment(attn, x, pos, w)
@@ -251,7 +261,7 @@ def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, 
                 k_norm: torch.Tensor | None) -> torch.Tensor:
     """Layer `layer`'s qkv from the residual stream x as `first_segment` (its input norm's row pass,
     then the QKV GEMM with RoPE, the biases or QK-norm in its epilogue): layer 0's, and every
-    layer's after a Gemma layer (whose sandwich norm ends in a row pass). OLMo 2 (no input norm,
+    layer's after a Gemma 2/3 layer (whose sandwich norm ends in a row pass). OLMo 2 (no input norm,
     whole-width q/k norms): the GEMM, then row passes (whole_qk_norm_qkv)."""
     theta, scaling = c.rope(layer)
     if c.post_norm:
@@ -365,12 +375,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_norms(self, i: int) -> dict[str, nn.Parameter]:
         """HF layer i's norms after attention by HF name, in HF's order: Llama's norm in front of the
-        MLP is its post-attention norm; Gemma's and OLMo 2's post-attention norm is on the attention
-        output."""
+        MLP is its post-attention norm (Gemma 1's too); Gemma 2/3's and OLMo 2's post-attention norm is
+        on the attention output."""
         layer = self.layers[i]
         if self.config.post_norm:
             return {"post_attention_layernorm": layer.post_attn_norm, "post_feedforward_layernorm": layer.post_ffn_norm}
-        if not self.config.gemma:
+        if not self.config.sandwich:
             return {"post_attention_layernorm": layer.ffn_norm}
         return {"post_attention_layernorm": layer.post_attn_norm, "pre_feedforward_layernorm": layer.ffn_norm,
                 "post_feedforward_layernorm": layer.post_ffn_norm}

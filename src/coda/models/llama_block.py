@@ -3,12 +3,15 @@
 The segment runs from after layer l's attention to layer l+1's QKV projection:
 
     x1 = x0 + attn_out @ Wo.T;  h = rms_norm(x1, g_ffn)
-    x2 = x1 + (silu(h Wg.T) * (h Wu.T)) @ Wdown.T;  n = rms_norm(x2, g_attn)
+    x2 = x1 + (act(h Wg.T) * (h Wu.T)) @ Wdown.T;  n = rms_norm(x2, g_attn)
     qkv = rope(n Wq.T), rope(n Wk.T), n Wv.T
 
 as 4 fused GEMMs + 2 tiny finalizes forward, and RoPE backward (a row pass; with QK-norm the
 recomputed QKV GEMM: qkv_projection.py) + 2 RMSNorm-backward GEMMs (each adding into the
-residual gradient) + the SwiGLU-backward GEMM + plain GEMMs backward. Attention stays outside.
+residual gradient) + the gated-MLP-backward GEMM + plain GEMMs backward. Attention stays outside.
+`act` is the weights' `activation`: silu (SwiGLU, Llama's) or gelu_tanh (GeGLU, Gemma 1's), an
+epilogue choice (ops.epilogues.GATED); the norm gains are tensors as given (Gemma's 1 + w formed
+by the caller, its gradient flowing back through that sum).
 The qkv output keeps q and k in the pair-adjacent order of coda.ops.permute_rope_rows: attention
 scores are invariant to a permutation of head dimensions applied to both q and k, and v is
 unpermuted.
@@ -59,6 +62,7 @@ class BlockWeights:
     eps: float = 1e-6
     rope_base: float = 10000.0
     rope_scaling: list[float] | None = None  # inv_freq's: linear [factor], or Llama 3's 4 numbers
+    activation: str = "silu"  # the MLP's gate activation: an ops.epilogues.GATED name
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +92,7 @@ class NativeBlockWeights:
     eps: float = 1e-6
     rope_base: float = 10000.0
     rope_scaling: list[float] | None = None  # as in BlockWeights
+    activation: str = "silu"  # as in BlockWeights
     # The q/k/v biases (Qwen2), [(H + 2 KV) hd] permuted like w_qkv's rows: one tensor, or none.
     b_qkv: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # QK-norm (Qwen3): the q and k heads' RMSNorm weights, [hd] each in HF order: both, or none.
@@ -108,6 +113,7 @@ class NativeBlockWeights:
         if self.w_gate_up.dim() != 2 or self.w_gate_up.shape[0] != 2 * self.w_down.shape[1]:
             raise ValueError(f"NativeBlockWeights: w_gate_up {list(self.w_gate_up.shape)} must be [2F, D] for "
                              f"w_down {list(self.w_down.shape)} = [D, F]")
+        E.gated(self.activation)  # a ValueError naming the activations there are
 
     @property
     def head_dim(self) -> int:
@@ -123,7 +129,7 @@ class NativeBlockWeights:
         w_qkv = torch.cat([permute_rope_rows(w.wq, w.n_heads, hd), permute_rope_rows(w.wk, w.n_kv_heads, hd), w.wv])
         return cls(w.wo, w.g_ffn, interleave_gate_up(w.w_gate, w.w_up), w.w_down, w.g_attn, w_qkv,
                    n_heads=w.n_heads, n_kv_heads=w.n_kv_heads, eps=w.eps, rope_base=w.rope_base,
-                   rope_scaling=w.rope_scaling)
+                   rope_scaling=w.rope_scaling, activation=w.activation)
 
     def leaves(self) -> NativeBlockWeights:
         """The same values as fresh autograd leaves: what a model storing this layout holds as parameters."""
@@ -143,7 +149,8 @@ class NativeBlockWeights:
                             unpermute_rope_rows(self.w_qkv[:nq], self.n_heads, hd),
                             unpermute_rope_rows(self.w_qkv[nq:nq + nk], self.n_kv_heads, hd),
                             self.w_qkv[nq + nk:].contiguous(), n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                            eps=self.eps, rope_base=self.rope_base, rope_scaling=self.rope_scaling)
+                            eps=self.eps, rope_base=self.rope_base, rope_scaling=self.rope_scaling,
+                            activation=self.activation)
 
 
 def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...] | None = None,
@@ -226,21 +233,22 @@ _SEVEN = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 def _forward(t: dict, w: NativeBlockWeights, _given) -> tuple[torch.Tensor, ...]:
     """(x2, qkv) and what backward may keep: x1, rstd1, z1, rstd2, h2 (the QKV GEMM's input)."""
     x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(t["attn_out"], t["x0"], w.wo, w.g_ffn, w.w_gate_up, w.w_down,
-                                                    w.g_attn, w.eps)
+                                                    w.g_attn, w.eps, w.activation)
     qkv = qkv_forward(h2, rstd2, t["pos"], _rope_freq(w), w.w_qkv, w.b_qkv, w.qk_norm, w.n_heads, w.n_kv_heads,
                       w.eps)
     return x2, qkv, x1, rstd1, z1, rstd2, h2
 
 
 def ffn_attn_forward(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor,
-                     w_gate_up: torch.Tensor, w_down: torch.Tensor, g_next: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, ...]:
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor, g_next: torch.Tensor, eps: float,
+                     activation: str) -> tuple[torch.Tensor, ...]:
     """x1 = x0 + attn_out @ wo.T, x2 = x1 + mlp(rms_norm(x1, g_ffn)) and the next norm's h2 = x2 * g_next
-    and rstd2, as 3 fused GEMMs: (x2, h2, rstd2, x1, rstd1, z1); the segments' shared upper half."""
+    and rstd2, as 3 fused GEMMs: (x2, h2, rstd2, x1, rstd1, z1); the segments' shared upper half.
+    `activation`: the MLP's gate activation (an ops.epilogues.GATED name)."""
     d = x0.shape[-1]
     p1 = gemm(attn_out, wo.T, E.residual_norm_stats, residual=x0, norm_weight=g_ffn)
     rstd1 = torch.rsqrt(p1["sumsq"] / d + eps)  # the tiny finalize
-    c1 = gemm(p1["h"], w_gate_up.T, E.rms_swiglu, rstd=rstd1)
+    c1 = gemm(p1["h"], w_gate_up.T, E.gated(activation).rms_save, rstd=rstd1)
     p2 = gemm(c1["y"], w_down.T, E.residual_norm_stats, residual=p1["x"], norm_weight=g_next)
     rstd2 = torch.rsqrt(p2["sumsq"] / d + eps)
     return p2["x"], p2["h"], rstd2, p1["x"], rstd1, c1["z"]
@@ -267,7 +275,7 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
               norm_weight=w.g_attn, rstd=t["rstd2"], zdz_over_d=zdz2 / d)
     d_wqkv = gemm(dz2.T, n2["normed"])
     d_attn, grad, d_wo, dg_ffn, d_wgu, d_wdown = ffn_attn_backward(n2["dx"], t["attn_out"], t["x1"], t["rstd1"], t["z1"],
-                                                                   w.wo, w.g_ffn, w.w_gate_up, w.w_down)
+                                                                   w.wo, w.g_ffn, w.w_gate_up, w.w_down, w.activation)
     d_w = NativeBlockWeights(wo=d_wo, g_ffn=dg_ffn, w_gate_up=d_wgu, w_down=d_wdown,
                              g_attn=n2["dg"].to(w.g_attn.dtype), w_qkv=d_wqkv, n_heads=w.n_heads,
                              n_kv_heads=w.n_kv_heads)
@@ -278,11 +286,11 @@ def _backward(t: dict, w: NativeBlockWeights, given) -> list[torch.Tensor]:
 
 def ffn_attn_backward(grad: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor,
                       z1: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor, w_gate_up: torch.Tensor,
-                      w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                      w_down: torch.Tensor, activation: str) -> tuple[torch.Tensor, ...]:
     """Backward of x2 = x1 + mlp(rms_norm(x1, g_ffn)), x1 = x0 + attn_out @ wo.T from grad = dL/dx2:
     (d_attn_out, d_x0, d_wo, d_g_ffn, d_w_gate_up, d_w_down); the segments' shared lower half."""
     d = x1.shape[-1]
-    sb = gemm(grad, w_down, E.swiglu_backward_zdz, z=z1)
+    sb = gemm(grad, w_down, E.gated(activation).backward_zdz, z=z1)
     d_wdown = gemm(grad.T, sb["y"])
     n1 = gemm(sb["dz"], w_gate_up, E.rmsnorm_backward_residual, out={"dx": torch.empty_like(grad)}, grad=grad, x=x1,
               norm_weight=g_ffn, rstd=rstd1, zdz_over_d=sb["zdz"] / d)
@@ -340,12 +348,16 @@ def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor,
     return _OPS[type(weights)](attn_out, x0, pos, *values)
 
 
+# The reference's gate activations, in torch (the names of ops.epilogues.GATED).
+_TORCH_GATES = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 def reference_block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, w: BlockWeights):
     """The same segment in plain PyTorch, standard layouts and half-split RoPE; qkv with q and
     k in the standard order (compare coda's through `qkv_to_standard`)."""
     x1 = x0 + F.linear(attn_out, w.wo)
     h = F.rms_norm(x1, (x1.shape[-1],), w.g_ffn, w.eps)
-    x2 = x1 + F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+    x2 = x1 + F.linear(_TORCH_GATES[w.activation](F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
     n = F.rms_norm(x2, (x2.shape[-1],), w.g_attn, w.eps)
     hd = w.head_dim
     theta = pos[:, None].float() * w.inv_freq()[None, :]

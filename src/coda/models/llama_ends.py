@@ -8,7 +8,7 @@
 * `last_segment`: from after the last attention to the final norm's output: the block's first three
   fused GEMMs with the final norm's weight in the third, then the row scale. The LM head and the
   loss follow in `coda.ops.linear_cross_entropy`. Backward: the final norm's backward (elementwise
-  over [M, D]), then the block's SwiGLU- and RMSNorm-backward GEMMs.
+  over [M, D]), then the block's gated-MLP- and RMSNorm-backward GEMMs.
 """
 
 from __future__ import annotations
@@ -89,13 +89,14 @@ _SIX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _last_fwd(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor, w_gate_up: torch.Tensor,
-              w_down: torch.Tensor, g_final: torch.Tensor, eps: float) -> _SIX:
-    x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps)
+              w_down: torch.Tensor, g_final: torch.Tensor, eps: float, activation: str) -> _SIX:
+    x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps,
+                                                    activation)
     normed = (h2.float() * rstd2[:, None]).to(h2.dtype)
     return normed, x2, rstd2, x1, rstd1, z1
 
 
-def _last_fake(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps):
+def _last_fake(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps, activation):
     m, d = x0.shape
     rows = x0.new_empty(m, dtype=torch.float32)
     like = attn_out
@@ -103,25 +104,25 @@ def _last_fake(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps):
             like.new_empty(m, w_gate_up.shape[0]))
 
 
-def _last_save(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps, *, out):
+def _last_save(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps, activation, *, out):
     _, x2, rstd2, x1, rstd1, z1 = out
-    return attn_out, x1, rstd1, z1, x2, rstd2, wo, g_ffn, w_gate_up, w_down, g_final
+    return attn_out, x1, rstd1, z1, x2, rstd2, wo, g_ffn, w_gate_up, w_down, g_final, activation
 
 
 def _last_bwd(d_normed: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor, z1: torch.Tensor,
               x2: torch.Tensor, rstd2: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor, w_gate_up: torch.Tensor,
-              w_down: torch.Tensor, g_final: torch.Tensor) -> list[torch.Tensor]:
+              w_down: torch.Tensor, g_final: torch.Tensor, activation: str) -> list[torch.Tensor]:
     # The final RMSNorm's backward, in fp32: dx2 = r*g*gq - r^2 * x2 * sum(normed * gq) / D.
     gq, x, r, g = d_normed.float(), x2.float(), rstd2[:, None], g_final.float()
     zdz = (r * x * g * gq).sum(-1, keepdim=True)
     dx2 = (r * g * gq - r * r * x * (zdz / x.shape[-1])).to(x2.dtype)
     dg_final = (gq * r * x).sum(0).to(g_final.dtype)
     d_attn, d_x0, d_wo, dg_ffn, d_wgu, d_wdown = ffn_attn_backward(dx2, attn_out, x1, rstd1, z1, wo, g_ffn, w_gate_up,
-                                                                   w_down)
+                                                                   w_down, activation)
     return [d_attn, d_x0, d_wo, dg_ffn, d_wgu, d_wdown, dg_final]
 
 
-def _last_bwd_fake(d_normed, attn_out, x1, rstd1, z1, x2, rstd2, wo, g_ffn, w_gate_up, w_down, g_final):
+def _last_bwd_fake(d_normed, attn_out, x1, rstd1, z1, x2, rstd2, wo, g_ffn, w_gate_up, w_down, g_final, activation):
     return [torch.empty_like(t) for t in (attn_out, x2, wo, g_ffn, w_gate_up, w_down, g_final)]
 
 
@@ -130,7 +131,10 @@ _last = fused_op("coda::last_segment", forward=_last_fwd, fake=_last_fake, save=
 
 
 def last_segment(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor,
-                 w_gate_up: torch.Tensor, w_down: torch.Tensor, g_final: torch.Tensor, eps: float) -> torch.Tensor:
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, g_final: torch.Tensor, eps: float,
+                 activation: str = "silu") -> torch.Tensor:
     """rms_norm(x2, g_final) for x1 = x0 + attn_out @ wo.T, x2 = x1 + mlp(rms_norm(x1, g_ffn)), with
-    w_gate_up interleaved (NativeBlockWeights). Differentiable in every tensor."""
-    return _last(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, float(eps))
+    w_gate_up interleaved (NativeBlockWeights) and the MLP's gate `activation` (an ops.epilogues.GATED
+    name: "silu" SwiGLU, "gelu_tanh" GeGLU). Differentiable in every tensor."""
+    E.gated(activation)  # a ValueError naming the activations there are
+    return _last(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, float(eps), activation)

@@ -7,6 +7,7 @@ Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference ch
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -69,6 +70,15 @@ def geglu_save(acc):
     """Section 2a (Gemma's MLP): z = acc (saved), y = gelu_tanh(gate) * up over interleaved pairs."""
     gate, up = pairs(acc)
     return {"z": acc, "y": gate * _gelu_sigmoid(gate) * up}
+
+
+@epilogue
+def rms_geglu(acc, rstd: VecM):
+    """Section 2a in the block (Gemma 1): z = acc * rstd (saved), y = gelu_tanh(gate) * up; the row
+    scale comes first, as in rms_swiglu, since gelu_tanh does not commute with it."""
+    z = acc * rstd
+    gate, up = pairs(z)
+    return {"z": z, "y": gate * _gelu_sigmoid(gate) * up}
 
 
 def _rotate(x, pos, freq):
@@ -279,3 +289,26 @@ def geglu_backward_zdz(acc, z: Tile(width=2)):
     dgate = acc * up * (s + 2.0 * _GELU_K * g * (1.0 - s) * (1.0 + 3.0 * _GELU_C * gate * gate))
     dup = acc * g
     return {"dz": interleave(dgate, dup), "y": g * up, "zdz": reduce_n(gate * dgate + up * dup, "sum")}
+
+
+@dataclass(frozen=True)
+class Gated:
+    """A gated MLP's epilogues for one activation: what each fused MLP picks by activation name."""
+
+    name: str  # in op names: coda::rmsnorm_{name}_mlp
+    save: Epilogue  # z = acc, y = act(gate) * up (the input already normalized)
+    rms_save: Epilogue  # the same after the norm's row scale z = acc * rstd (the block's h = x * g)
+    backward_zdz: Epilogue  # dz, y and the row term zdz of the norm in front
+
+
+# The gate activations coda's gated MLPs compute, by the name models and ops take ("silu": SwiGLU,
+# "gelu_tanh": GeGLU with F.gelu(approximate="tanh")).
+GATED = {"silu": Gated("swiglu", swiglu_save, rms_swiglu, swiglu_backward_zdz),
+         "gelu_tanh": Gated("geglu", geglu_save, rms_geglu, geglu_backward_zdz)}
+
+
+def gated(activation: str) -> Gated:
+    """GATED[activation], or a ValueError naming the activations there are."""
+    if activation not in GATED:
+        raise ValueError(f"gated MLP: activation must be one of {sorted(GATED)}, got {activation!r}")
+    return GATED[activation]

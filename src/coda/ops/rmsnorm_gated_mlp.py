@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..epilogue import Epilogue
 from ..runtime import gemm
 from . import epilogues as E
 from .custom import fused_op
@@ -29,10 +28,11 @@ def _interleaved(gate_up: list[torch.Tensor]) -> torch.Tensor:
     return gate_up[0] if len(gate_up) == 1 else interleave_gate_up(*gate_up)
 
 
-def _gated_mlp(name: str, save: Epilogue, backward_zdz: Epilogue) -> Callable[..., torch.Tensor]:
-    """The fused op `coda::{name}`: `save` gives {z, y} from the gate/up GEMM, `backward_zdz` gives
-    {dz, y, zdz} from dY @ W_down and the saved z. `gate_up`: [w_gate_up] interleaved
-    (ops.layout.interleave_gate_up, as coda's models hold it) or [w_gate, w_up]."""
+def _gated_mlp(epilogues: E.Gated) -> Callable[..., torch.Tensor]:
+    """The fused op `coda::rmsnorm_{name}_mlp`: `epilogues.save` gives {z, y} from the gate/up GEMM,
+    `epilogues.backward_zdz` gives {dz, y, zdz} from dY @ W_down and the saved z. `gate_up`:
+    [w_gate_up] interleaved (ops.layout.interleave_gate_up, as coda's models hold it) or [w_gate, w_up]."""
+    name, save, backward_zdz = f"rmsnorm_{epilogues.name}_mlp", epilogues.save, epilogues.backward_zdz
 
     def fwd(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor,
             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,16 +79,14 @@ def _gated_mlp(name: str, save: Epilogue, backward_zdz: Epilogue) -> Callable[..
     return run
 
 
-_OPS = {"silu": _gated_mlp("rmsnorm_swiglu_mlp", E.swiglu_save, E.swiglu_backward_zdz),
-        "gelu_tanh": _gated_mlp("rmsnorm_geglu_mlp", E.geglu_save, E.geglu_backward_zdz)}
+_OPS = {activation: _gated_mlp(epilogues) for activation, epilogues in E.GATED.items()}
 
 
 def rmsnorm_gated_mlp(x: torch.Tensor, norm_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                       eps: float, activation: str) -> torch.Tensor:
     """The norm + gated MLP on coda's interleaved gate/up weight [2F, D] (ops.layout.interleave_gate_up),
     as a model holds it: `activation` "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
-    if activation not in _OPS:
-        raise ValueError(f"rmsnorm_gated_mlp: activation must be one of {sorted(_OPS)}, got {activation!r}")
+    E.gated(activation)  # a ValueError naming the activations there are
     return _OPS[activation](x, norm_weight, [w_gate_up], w_down, eps)
 
 

@@ -210,7 +210,7 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3_text"])
 def test_packed_bf16_error_is_within_hf_bf16_error(family: str) -> None:
     """bf16 over packed documents (and Gemma 3's window): on a GPU the sequence form (flash over each
     document), on the CPU the boolean form. Against HF fp32 on the same bf16-rounded weights, coda's

@@ -195,7 +195,7 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
     scale = head_dim ** -0.5
 
     def run(dtype: torch.dtype, sequences: bool) -> list[torch.Tensor]:
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
         mask = masks.build(batch, seq, DEVICE, padding=None, docs=docs, window=window, sequences=sequences)
         assert (mask.starts is not None) == sequences
         out = attention.attend(*leaves, batch, seq, mask, scale)

@@ -80,7 +80,7 @@ def _flex(batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None, 
     return make_mask, run
 
 
-def _variant(name: str, batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None,
+def _variant(name: str, batch: int, seq: int, heads: int, kv: int, head_dim: int, docs: torch.Tensor | None,
              window: int | None):
     """(make_mask, run(q, k, v, mask, scale)) of one variant."""
     dev = torch.device(harness.DEVICE)
@@ -92,7 +92,7 @@ def _variant(name: str, batch: int, seq: int, heads: int, kv: int, docs: torch.T
         return (lambda: None), coda_attend
     if name in ("sdpa_mask", "flash_varlen"):
         sequences = name == "flash_varlen"
-        if sequences and not attention.varlen_applies(dev, torch.bfloat16, 64):
+        if sequences and not attention.varlen_applies(dev, torch.bfloat16, head_dim):
             raise RuntimeError(f"torch {torch.__version__} has no variable-length flash attention with windows")
         return (lambda: masks.build(batch, seq, dev, padding=None, docs=docs, window=window,
                                     sequences=sequences)), coda_attend
@@ -118,7 +118,7 @@ def measure(batch: int = BATCH, seq: int = SEQ, cases: dict = CASES, variants: t
         bound = None
         for name in variants:
             try:
-                make_mask, run = _variant(name, batch, seq, heads, kv, docs, window)
+                make_mask, run = _variant(name, batch, seq, heads, kv, hd, docs, window)
 
                 def step():
                     out = run(*leaves, mask, scale)

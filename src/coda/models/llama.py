@@ -28,10 +28,10 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
 from ..ops.rmsnorm import rmsnorm
+from .attention import attend, varlen_applies
 from .families import FAMILIES, FROM_HF, foreign_code, problems
 from .llama_block import NativeBlockWeights, block_segment, inv_freq
 from .llama_ends import first_segment, last_segment
-from .attention import attend, varlen_applies
 from .masks import AttentionMask, build, documents, padding
 from .qkv_projection import whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual

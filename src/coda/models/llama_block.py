@@ -348,16 +348,12 @@ def block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor,
     return _OPS[type(weights)](attn_out, x0, pos, *values)
 
 
-# The reference's gate activations, in torch (the names of ops.epilogues.GATED).
-_TORCH_GATES = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
-
-
 def reference_block_segment(attn_out: torch.Tensor, x0: torch.Tensor, pos: torch.Tensor, w: BlockWeights):
     """The same segment in plain PyTorch, standard layouts and half-split RoPE; qkv with q and
     k in the standard order (compare coda's through `qkv_to_standard`)."""
     x1 = x0 + F.linear(attn_out, w.wo)
     h = F.rms_norm(x1, (x1.shape[-1],), w.g_ffn, w.eps)
-    x2 = x1 + F.linear(_TORCH_GATES[w.activation](F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+    x2 = x1 + F.linear(E.gated(w.activation).torch_act(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
     n = F.rms_norm(x2, (x2.shape[-1],), w.g_attn, w.eps)
     hd = w.head_dim
     theta = pos[:, None].float() * w.inv_freq()[None, :]

@@ -6,11 +6,14 @@ Each is a plain @coda.epilogue: its IR is printable (`.graph`), its reference ch
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from ..epilogue import Epilogue, epilogue
 from ..ir.trace import (
@@ -299,12 +302,14 @@ class Gated:
     save: Epilogue  # z = acc, y = act(gate) * up (the input already normalized)
     rms_save: Epilogue  # the same after the norm's row scale z = acc * rstd (the block's h = x * g)
     backward_zdz: Epilogue  # dz, y and the row term zdz of the norm in front
+    torch_act: Callable[[torch.Tensor], torch.Tensor]  # the activation in torch, for fp32 references
 
 
 # The gate activations coda's gated MLPs compute, by the name models and ops take ("silu": SwiGLU,
 # "gelu_tanh": GeGLU with F.gelu(approximate="tanh")).
-GATED = {"silu": Gated("swiglu", swiglu_save, rms_swiglu, swiglu_backward_zdz),
-         "gelu_tanh": Gated("geglu", geglu_save, rms_geglu, geglu_backward_zdz)}
+GATED = {"silu": Gated("swiglu", swiglu_save, rms_swiglu, swiglu_backward_zdz, F.silu),
+         "gelu_tanh": Gated("geglu", geglu_save, rms_geglu, geglu_backward_zdz,
+                            functools.partial(F.gelu, approximate="tanh"))}
 
 
 def gated(activation: str) -> Gated:

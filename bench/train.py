@@ -321,8 +321,9 @@ def spawn(args, model: str, shape: str, variant: str) -> dict:
 
 
 def key(row: dict) -> tuple:
-    """What a row measures; rows of older files (train_llama.json) have no packed flag."""
-    return row["model"], row["seq"], row["batch"], row.get("packed", False), row["variant"]
+    """What a row measures, and on which GPU (merged rows carry theirs); rows of older files
+    (train_llama.json) have no packed flag."""
+    return row.get("gpu"), row["model"], row["seq"], row["batch"], row.get("packed", False), row["variant"]
 
 
 def drive(args) -> None:
@@ -378,10 +379,14 @@ def table(rows: list[dict]) -> str:
     peers = ("hf_eager", "hf_liger")
     lines = ["| model | batch x seq | packed | variant | ms | tokens/s | peak GiB | GEMMs | attention | everything else | "
              + " | ".join(f"vs {p}" for p in peers) + " | logits vs transformers |", "|" + "---|" * (11 + len(peers))]
-    base = {key(r): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
+    base = {key(r): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}  # (ratios within one GPU)
+    gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
+    if len(gpus) > 1:  # a GPU column where the rows come from several machines
+        lines = [lines[0].replace("| model |", "| GPU | model |"), lines[1] + "---|"]
     for r in rows:
         model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
-        head = [model, f"{r['batch']} x {r['seq']}", "yes" if r.get("packed") else "no", r["variant"]]
+        head = ([r.get("gpu", "-")] if len(gpus) > 1 else []) + [
+            model, f"{r['batch']} x {r['seq']}", "yes" if r.get("packed") else "no", r["variant"]]
         if "skipped" in r:
             lines.append("| " + " | ".join(head + ["skipped"] + ["-"] * (6 + len(peers))) + " |")
             continue
@@ -411,14 +416,18 @@ def markdown(data: dict, name: str) -> str:
 
 def merge(paths: list[Path], out: Path, note: str | None) -> None:
     """One table from the JSON of one or more runs (device calls); a later row replaces an earlier
-    one of the same model, shape, packing and variant."""
+    one of the same GPU, model, shape, packing and variant. Each row keeps its run's GPU, and the
+    meta names every GPU when runs came on different ones (a loan may give an H100 for an H200)."""
     data: dict = {"rows": [], "notes": []}
+    gpus: list[str] = []
     for path in paths:
         part = json.loads(path.read_text())
+        part["rows"] = [{**r, "gpu": r.get("gpu", part["meta"]["gpu"])} for r in part["rows"]]
+        gpus += [part["meta"]["gpu"]] if part["meta"]["gpu"] not in gpus else []
         keys = {key(r) for r in part["rows"]}
         data["rows"] = [r for r in data["rows"] if key(r) not in keys] + part["rows"]
         data["notes"] = [n for n in data["notes"] if n not in part.get("notes", [])] + part.get("notes", [])
-        data["meta"] = part["meta"]
+        data["meta"] = {**part["meta"], "gpu": " and ".join(gpus)}
     if note:
         data["meta"]["note"] = note
     out.mkdir(parents=True, exist_ok=True)

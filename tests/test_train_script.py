@@ -103,3 +103,24 @@ def test_kernel_categories() -> None:
     assert c("coda_rms_swiglu") == c("sm90_xmma_gemm_bf16bf16_bf16f32") == c("nvjet_tst_128x256") == "gemms"
     assert c("flash_fwd_kernel") == c("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention"
     assert c("_rms_prep_kernel") == c("vectorized_elementwise_kernel") == c("_cross_entropy_kernel") == "other"
+
+
+def test_merge_keeps_each_rows_gpu_and_takes_ratios_within_one(tmp_path: Path) -> None:
+    """Device calls may land on different GPUs: merged rows keep their run's GPU, the table gets a
+    GPU column, and a variant is compared only with the peers measured on its own GPU."""
+    def part(gpu: str, eager_tps: float, coda_tps: float) -> Path:
+        rows = [{"model": "m", "seq": 8, "batch": 2, "packed": False, "variant": v, "step_ms": 16e3 / t,
+                 "tokens_per_s": t, "peak_mem_gib": 1.0} for v, t in (("hf_eager", eager_tps), ("coda", coda_tps))]
+        path = tmp_path / f"{gpu}.json"
+        path.write_text(json.dumps({"meta": {"gpu": gpu, "torch": "t", "protocol": "p"}, "rows": rows}))
+        return path
+
+    train.merge([part("A100", 1000.0, 1500.0), part("H200", 2000.0, 5000.0)], tmp_path / "out", None)
+    data = json.loads((tmp_path / "out" / "train.json").read_text())
+    assert sorted((r["gpu"], r["variant"]) for r in data["rows"]) == [
+        ("A100", "coda"), ("A100", "hf_eager"), ("H200", "coda"), ("H200", "hf_eager")]
+    assert data["meta"]["gpu"] == "A100 and H200"
+    md = (tmp_path / "out" / "train.md").read_text()
+    assert "| GPU | model |" in md
+    assert "| A100 | m | 2 x 8 | no | coda |" in md and "| 1.50 | - |" in md  # 1500 / 1000, not / 2000
+    assert "| H200 | m | 2 x 8 | no | coda |" in md and "| 2.50 | - |" in md

@@ -349,7 +349,8 @@ def test_from_hf_reads_every_weight() -> None:
 @pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
 def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
     """The families with their own layer patch: every norm and MLP of a decoder layer runs coda's
-    forward (OLMo 2's q/k norms inside attention too), parameter names and state_dict unchanged,
+    forward (OLMo 2's q/k norms inside attention too), and the attention HF's forward code with coda's
+    RoPE (Phi-3's partial rotary), parameter names and state_dict unchanged,
     greedy .generate() gives HF's tokens (the final norm + LM head through rmsnorm_linear)."""
     hf = hf_model(model_type, **PATCH_CASES[model_type])
     model = coda.patch(copy.deepcopy(hf))
@@ -358,7 +359,7 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
     assert list(model.state_dict()) == list(ref) and all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
     for name, module in model.model.layers.named_modules():
         ours = "forward" in vars(module)
-        assert ours == (name.endswith(("layernorm", "mlp", "q_norm", "k_norm"))), \
+        assert ours == (name.endswith(("layernorm", "mlp", "q_norm", "k_norm", "self_attn"))), \
             f"{name}: {'coda' if ours else 'HF'} forward"
     prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)

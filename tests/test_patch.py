@@ -5,6 +5,7 @@ gradients as the unpatched model in fp32, unchanged parameter names and state_di
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -42,9 +43,9 @@ def hf_model(kind: str, **kw):
 
 
 
-# Swapped per layer: Llama's input norm and norm + MLP; Gemma's also its two sandwich norms, Gemma 3's
+# Swapped per layer: Llama's input norm, norm + MLP and RoPE; Gemma's also its two sandwich norms, Gemma 3's
 # also its q and k norms.
-SWAPPED_PER_LAYER = {"llama": 2, "mistral": 2, "gemma2": 4, "gemma3_text": 6}
+SWAPPED_PER_LAYER = {"llama": 3, "mistral": 3, "gemma2": 5, "gemma3_text": 7}
 
 
 @pytest.mark.parametrize("kind", sorted(SWAPPED_PER_LAYER))
@@ -87,6 +88,32 @@ def test_patch_is_per_instance_and_idempotent() -> None:
     report = list(model.coda_patched)
     assert coda.patch(model).coda_patched == report
     assert "forward" not in vars(other) and "forward" not in vars(other.model.layers[0].mlp)
+    assert "forward" not in vars(other.model.layers[0].self_attn)
+    hf_rope = transformers.models.llama.modeling_llama.apply_rotary_pos_emb  # the module function stays HF's
+    assert hf_rope.__module__ == "transformers.models.llama.modeling_llama"
+    assert inspect.unwrap(type(model.model.layers[0].self_attn).forward).__globals__["apply_rotary_pos_emb"] is hf_rope
+
+
+@pytest.mark.parametrize("batch_cos,rotary", [(2, 8), (1, 8), (2, 4)])
+def test_rope_matches_hf_apply_rotary_pos_emb(batch_cos: int, rotary: int) -> None:
+    """coda.ops.rope against transformers' own functions (Llama's; Phi-3's partial rotary, where
+    columns from R on pass through), outputs and q/k gradients, fp32; cos from a batch of 1 broadcasts."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+    hf_rope = llama_rope if rotary == 8 else phi3_rope
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 8, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()  # HF's [B, H, S, D] view
+    k = torch.randn(2, 2, 5, 8, generator=g).to(DEVICE).requires_grad_()
+    cos, sin = (torch.randn(batch_cos, 5, rotary, generator=g).to(DEVICE) for _ in range(2))
+    ours, theirs = coda.ops.rope(q, k, cos, sin), hf_rope(q, k, cos, sin)
+    grads = [torch.randn(t.shape, generator=g).to(DEVICE) for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and rel(a, b) < 1e-6
+    for a, b in zip(torch.autograd.grad(ours, (q, k), grads), torch.autograd.grad(theirs, (q, k), grads)):
+        assert rel(a, b) < 1e-6
+    with pytest.raises(ValueError, match="must be"):
+        coda.ops.rope(q, k, cos[..., :3], sin[..., :3])
 
 
 def test_unpatchable_models_are_refused_clearly() -> None:

@@ -17,13 +17,19 @@ What runs through coda:
   the GEMM output before the residual add;
 * the attention's q and k norms (Qwen3's and Gemma 3's per head, OLMo 2's whole-width):
   `coda.ops.rmsnorm`;
+* RoPE: `coda.ops.rope` (one row pass per tensor each way) in place of the module function
+  `apply_rotary_pos_emb` that HF's attention forward calls. The attention module's forward is
+  HF's own code, rebound to a copy of its module's globals in which that name is coda's
+  (`_with_coda_rope`): no class and no module of transformers changes. A forward that does not
+  call the function by that name keeps HF's RoPE;
 * the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
   materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
 Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32. What stays HF's: the embedding
 (with Gemma's scale), the q/k/v projections (three separate projections inside HF's attention,
-which coda does not rewrite), RoPE and attention, with whatever the family does there (Qwen2's q/k/v
-biases, sliding windows, Gemma's per-layer-type RoPE and attention scale). Which families and config
+which coda does not rewrite), the rotary embedding's cos and sin, and attention, with whatever the
+family does there (Qwen2's q/k/v biases, sliding windows, Gemma's per-layer-type RoPE and attention
+scale). Which families and config
 fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
@@ -34,6 +40,7 @@ MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `cod
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Callable
@@ -44,6 +51,7 @@ from torch import nn
 
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.rmsnorm import rmsnorm
+from ..ops.rope import rope
 from ..ops.rmsnorm_linear import rmsnorm_linear
 from ..ops.rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
 from ..ops.swiglu_mlp import swiglu_mlp
@@ -126,6 +134,66 @@ def _patch_qk_norms(i: int, layer: nn.Module, gemma: bool) -> list[str]:
     return swapped
 
 
+@functools.cache
+def _with_coda_rope(forward: Callable) -> Callable | None:
+    """HF's attention `forward` with coda.ops.rope wherever it calls `apply_rotary_pos_emb`: the same
+    code objects and closures, the innermost function's over a copy of its module's globals, and
+    each decorator's wrapper (followed through `__wrapped__`, e.g. transformers' deprecate_kwarg)
+    rebuilt around the new inner function. None where that does not fit (the name is not called,
+    a wrapper does not hold its inner function in its closure). HF's own function still runs for
+    inputs coda's op does not take (cos and sin with gradients or of another dtype, another
+    unsqueeze_dim)."""
+    inner = getattr(forward, "__wrapped__", None)
+    if not isinstance(forward, types.FunctionType):
+        return None
+    if inner is not None:
+        patched_inner = _with_coda_rope(inner)
+        cells = forward.__closure__ or ()
+        held = [i for i, c in enumerate(cells) if _holds(c, inner)]
+        if patched_inner is None or len(held) != 1:
+            return None
+        cells = tuple(types.CellType(patched_inner) if i == held[0] else c for i, c in enumerate(cells))
+        return _rebuilt(forward, forward.__globals__, cells, patched_inner)
+    hf_rope = forward.__globals__.get("apply_rotary_pos_emb")
+    if not callable(hf_rope) or "apply_rotary_pos_emb" not in forward.__code__.co_names:
+        return None
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim != 1 or cos.dim() != 3 or cos.shape[-1] % 2 or cos.requires_grad or sin.requires_grad
+                or not q.dtype == k.dtype == cos.dtype == sin.dtype):
+            return hf_rope(q, k, cos, sin, unsqueeze_dim)
+        return rope(q, k, cos, sin)
+
+    return _rebuilt(forward, {**forward.__globals__, "apply_rotary_pos_emb": apply_rotary_pos_emb},
+                    forward.__closure__, None)
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _rebuilt(fn: types.FunctionType, names: dict, closure: tuple | None, inner: Callable | None) -> Callable:
+    """fn's code over new globals and closure; `inner` is the new function it wraps, if any."""
+    new = functools.update_wrapper(types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, closure), fn)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    if inner is not None:
+        new.__wrapped__ = inner
+    return new
+
+
+def _patch_rope(i: int, layer: nn.Module) -> list[str]:
+    attn = getattr(layer, "self_attn", None)
+    forward = _with_coda_rope(type(attn).forward) if attn is not None else None
+    if forward is None:
+        log.info("coda.patch: model.layers.%d.self_attn keeps HF's RoPE (its forward calls no apply_rotary_pos_emb)", i)
+        return []
+    attn.forward = types.MethodType(forward, attn)
+    return [f"model.layers.{i}.self_attn: apply_rotary_pos_emb -> coda.ops.rope"]
+
+
 # Families whose decoder layer differs from Llama's, by model_type (the rest: the loop in patch()).
 _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
     "olmo2": _patch_olmo2_layer,
@@ -204,6 +272,7 @@ def patch(model: nn.Module) -> nn.Module:
         else ("input_layernorm",)
     swapped = []
     for i, layer in enumerate(model.model.layers):
+        swapped += _patch_rope(i, layer)
         if layer_patch is not None:
             swapped += layer_patch(i, layer)
             continue

@@ -10,7 +10,9 @@ need a statistic of a whole row first). One program per row and the row in one b
   (its dy comes from a GEMM coda does not run, so no epilogue can reduce for it);
 * `cross_entropy_`: per-row logsumexp and target logit of stored logits, which it turns into
   (softmax - onehot) * scale in place (with softcap, label smoothing and z-loss as options);
-* `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row.
+* `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row;
+* `rope_halves`: transformers' RoPE (rotate_half: the head's first and second halves are the
+  pairs) from its cos/sin rows, and its backward, for every head of a token at once.
 """
 
 from __future__ import annotations
@@ -184,6 +186,39 @@ def _rope_backward_kernel(dz_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P,
     tl.store(zdz_ptr + row, tl.sum(dot, axis=0))
 
 
+@triton.jit
+def _rope_halves_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HALF, D, stride_xt, stride_xh, stride_c,
+                        stride_ot, stride_oh, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    # One token a program, all its heads as one [BLOCK_H, BLOCK_HALF] tile: the token's cos and
+    # sin rows are read once. Columns [2 HALF, D) (a partial rotary, Phi-3's) pass through.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    on = cols < HALF
+    mask = (heads < H) & on
+    c1 = tl.load(cos_ptr + t * stride_c + cols, mask=on, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_c + HALF + cols, mask=on, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_c + cols, mask=on, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_c + HALF + cols, mask=on, other=0.0).to(tl.float32)
+    src = x_ptr + t * stride_xt + heads * stride_xh
+    dst = out_ptr + t * stride_ot + heads * stride_oh
+    x1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:  # the transpose: dx1 = d1 c1 + d2 s2, dx2 = d2 c2 - d1 s1
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    tl.store(dst + cols, _cast(y1, OUT, RNE), mask=mask)
+    tl.store(dst + HALF + cols, _cast(y2, OUT, RNE), mask=mask)
+    if BLOCK_PASS > 0:
+        rest = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+        keep = (heads < H) & (rest < D)
+        tl.store(dst + rest, tl.load(src + rest, mask=keep, other=0.0), mask=keep)
+
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -347,5 +382,28 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     return out, zdz
 
 
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one of q, k, in fp32 and rounded once: x [T, H, D],
+    cos and sin [T, R] (R even, R <= D; columns from R on pass through); `backward` applies the
+    transpose (x is then the output's gradient). Returns a contiguous [T, H, D]."""
+    if x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[0] \
+            or cos.shape[1] % 2 or cos.shape[1] > x.shape[2]:
+        raise ValueError(f"rope_halves: x {list(x.shape)}, cos {list(cos.shape)} and sin {list(sin.shape)} must be "
+                         "[T, H, D], [T, R] and [T, R] with R even and at most D")
+    check_kernel_device("rope_halves: x", x, interpreting())
+    x = x if x.stride(2) == 1 else x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()  # (one row stride for both)
+    tokens, h, d = x.shape
+    half = cos.shape[1] // 2
+    out = torch.empty((tokens, h, d), device=x.device, dtype=x.dtype)
+    if tokens and h and d:
+        _rope_halves_kernel[(tokens,)](x, cos, sin, out, h, half, d, x.stride(0), x.stride(1), cos.stride(0),
+                                       out.stride(0), out.stride(1), BACKWARD=backward,
+                                       BLOCK_H=triton.next_power_of_2(h), BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+                                       BLOCK_PASS=0 if 2 * half == d else triton.next_power_of_2(d - 2 * half),
+                                       num_warps=4, **_out_args(x.dtype))
+    return out
+
+
 __all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
-           "rope_backward"]
+           "rope_backward", "rope_halves"]

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import coda
 from coda.ops import epilogues as E
+from coda.ops.layout import interleave_gate_up
+from coda.ops.swiglu_mlp import swiglu_mlp_interleaved
 from conftest import DEVICE, EPS, GPU, scale
 
 ROUNDINGS = 3
@@ -175,8 +177,26 @@ def test_swiglu_mlp(dtype: torch.dtype, lead: tuple[int, ...], d: int, f: int) -
 
 
 def test_swiglu_mlp_checks_shapes() -> None:
-    with pytest.raises(ValueError, match=r"must be \[..., D\], \[F, D\], \[F, D\], \[D, F\]"):
+    with pytest.raises(ValueError, match=r"must be \[..., D\], \[\[F, D\], \[F, D\]\] \(or \[\[2F, D\]\] interleaved\), \[D, F\]"):
         coda.ops.swiglu_mlp(torch.zeros(4, 8), torch.zeros(6, 8), torch.zeros(6, 8), torch.zeros(6, 8))
+    with pytest.raises(ValueError, match=r"gate/up \[\[6, 8\]\]"):
+        swiglu_mlp_interleaved(torch.zeros(4, 8), torch.zeros(6, 8), torch.zeros(8, 6))
+
+
+def test_swiglu_mlp_on_interleaved_weights_is_the_same_op() -> None:
+    """The models' form (gate/up interleaved, as they hold it): the separate-weight op's output, and
+    its weight gradient is theirs interleaved, with no per-call copy of the weights."""
+    d, f = 16, 24
+    x = leaf(5, d, dtype=torch.float32)
+    wg, wu, wd = leaf(f, d, dtype=torch.float32, s=d**-0.5), leaf(f, d, dtype=torch.float32, s=d**-0.5), \
+        leaf(d, f, dtype=torch.float32, s=f**-0.5)
+    wgu = interleave_gate_up(wg, wu).detach().requires_grad_()
+    out, fused = coda.ops.swiglu_mlp(x, wg, wu, wd), swiglu_mlp_interleaved(x, wgu, wd)
+    assert torch.equal(out, fused)
+    dout = torch.randn_like(out)
+    dwg, dwu = torch.autograd.grad(out, (wg, wu), dout)
+    (dwgu,) = torch.autograd.grad(fused, (wgu,), dout)
+    assert torch.equal(dwgu, interleave_gate_up(dwg, dwu))
 
 
 # -- linear_cross_entropy ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ OLMo 2 has the same two output norms and no norm in front of the MLP (or of atte
     x1 = x0 + norm(attn_out @ wo.T, g_post_attn)
     x2 = x1 + norm(mlp(x1), g_post_ffn)
 
-with the plain SwiGLU MLP (`swiglu_mlp`). Its next qkv: `whole_qk_norm_qkv`.
+with the plain SwiGLU MLP (`swiglu_mlp_interleaved`). Its next qkv: `whole_qk_norm_qkv`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.rmsnorm import rmsnorm
-from ..ops.layout import split_gate_up
 from ..ops.rmsnorm_gated_mlp import rmsnorm_gated_mlp
-from ..ops.swiglu_mlp import swiglu_mlp
+from ..ops.swiglu_mlp import swiglu_mlp_interleaved
 
 
 def sandwich_residual(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_post_attn: torch.Tensor,
@@ -43,7 +42,6 @@ def sandwich_residual(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor
 def post_norm_residual(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_post_attn: torch.Tensor,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor, g_post_ffn: torch.Tensor,
                        eps: float) -> torch.Tensor:
-    """OLMo 2's x2 as above (w_gate_up interleaved: swiglu_mlp takes its two row views and
-    interleaves them again per call, a weight copy the fused layout could spare)."""
+    """OLMo 2's x2 as above (w_gate_up interleaved, as the model holds it)."""
     x1 = x0 + rmsnorm(F.linear(attn_out, wo), g_post_attn, eps)
-    return x1 + rmsnorm(swiglu_mlp(x1, *split_gate_up(w_gate_up), w_down), g_post_ffn, eps)
+    return x1 + rmsnorm(swiglu_mlp_interleaved(x1, w_gate_up, w_down), g_post_ffn, eps)

@@ -16,34 +16,50 @@ from .epilogues import swiglu_backward, swiglu_save
 from .layout import interleave_gate_up, split_gate_up
 
 
-def _fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h = gemm(x, interleave_gate_up(w_gate, w_up).T, swiglu_save)
+def _interleaved(gate_up: list[torch.Tensor]) -> torch.Tensor:
+    """[w_gate_up] as it is, or [w_gate, w_up] interleaved (a copy in forward and again in backward)."""
+    return gate_up[0] if len(gate_up) == 1 else interleave_gate_up(*gate_up)
+
+
+def _fwd(x: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = gemm(x, _interleaved(gate_up).T, swiglu_save)
     return gemm(h["y"], w_down.T), h["z"]
 
 
-def _fwd_fake(x, w_gate, w_up, w_down):
-    return x.new_empty(x.shape[0], w_down.shape[0]), x.new_empty(x.shape[0], 2 * w_gate.shape[0])
+def _fwd_fake(x, gate_up, w_down):
+    return x.new_empty(x.shape[0], w_down.shape[0]), x.new_empty(x.shape[0], 2 * w_down.shape[1])
 
 
-def _save(x, w_gate, w_up, w_down, *, out):
-    return x, out[1], w_gate, w_up, w_down
+def _save(x, gate_up, w_down, *, out):
+    return x, out[1], gate_up, w_down
 
 
-def _bwd(dout: torch.Tensor, x: torch.Tensor, z: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-         w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd(dout: torch.Tensor, x: torch.Tensor, z: torch.Tensor, gate_up: list[torch.Tensor],
+         w_down: torch.Tensor) -> list[torch.Tensor]:
     back = gemm(dout, w_down, swiglu_backward, z=z)
     dw_down = gemm(dout.T, back["y"])
-    dx = gemm(back["dz"], interleave_gate_up(w_gate, w_up))
-    dw_gate, dw_up = split_gate_up(gemm(back["dz"].T, x))
-    return dx, dw_gate.contiguous(), dw_up.contiguous(), dw_down
+    dx = gemm(back["dz"], _interleaved(gate_up))
+    dw_gate_up = gemm(back["dz"].T, x)
+    d_gate_up = [dw_gate_up] if len(gate_up) == 1 else [w.contiguous() for w in split_gate_up(dw_gate_up)]
+    return [dx, *d_gate_up, dw_down]
 
 
-def _bwd_fake(dout, x, z, w_gate, w_up, w_down):
-    return torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
+def _bwd_fake(dout, x, z, gate_up, w_down):
+    return [torch.empty_like(t) for t in (x, *gate_up, w_down)]
 
 
 _op = fused_op("coda::swiglu_mlp", forward=_fwd, fake=_fwd_fake, save=_save, backward=_bwd, backward_fake=_bwd_fake,
-               grads=("x", "w_gate", "w_up", "w_down"))
+               grads=("x", "gate_up", "w_down"))
+
+
+def _run(x: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
+    d, f = x.shape[-1], w_down.shape[-1]
+    rows = [2 * f] if len(gate_up) == 1 else [f, f]
+    if [list(w.shape) for w in gate_up] != [[r, d] for r in rows] or w_down.shape != (d, f):
+        raise ValueError(
+            f"swiglu_mlp: x {list(x.shape)}, gate/up {[list(w.shape) for w in gate_up]}, w_down {list(w_down.shape)} "
+            f"must be [..., D], [[F, D], [F, D]] (or [[2F, D]] interleaved), [D, F]")
+    return _op(x.reshape(-1, d), list(gate_up), w_down).reshape(*x.shape[:-1], d)
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -51,11 +67,10 @@ def swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
 
     x: [..., D]; w_gate, w_up: [F, D]; w_down: [D, F] (nn.Linear layouts). Returns [..., D].
     """
-    d = x.shape[-1]
-    if w_gate.shape != w_up.shape or w_gate.dim() != 2 or w_gate.shape[1] != d or w_down.shape != (d, w_gate.shape[0]):
-        raise ValueError(
-            f"swiglu_mlp: x {list(x.shape)}, w_gate {list(w_gate.shape)}, w_up {list(w_up.shape)}, w_down "
-            f"{list(w_down.shape)} must be [..., D], [F, D], [F, D], [D, F]"
-        )
-    out = _op(x.reshape(-1, d), w_gate, w_up, w_down)
-    return out.reshape(*x.shape[:-1], d)
+    return _run(x, [w_gate, w_up], w_down)
+
+
+def swiglu_mlp_interleaved(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The same on coda's interleaved gate/up weight [2F, D] (ops.layout.interleave_gate_up), as a
+    model holds it: no per-call interleaving copy, and its gradient comes in that layout."""
+    return _run(x, [w_gate_up], w_down)

@@ -21,6 +21,17 @@ def split_gate_up(w_gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0], pairs[:, 1]
 
 
+def gate_up_rows(gate_up: list[torch.Tensor]) -> torch.Tensor:
+    """A gated MLP op's gate/up argument as one interleaved [2F, D] weight: [w_gate_up] as it is, or
+    [w_gate, w_up] interleaved (a copy, made again in backward rather than held per layer)."""
+    return gate_up[0] if len(gate_up) == 1 else interleave_gate_up(*gate_up)
+
+
+def gate_up_grads(dw_gate_up: torch.Tensor, gate_up: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The interleaved weight gradient in the form `gate_up` came in (gate_up_rows' inverse)."""
+    return [dw_gate_up] if len(gate_up) == 1 else [w.contiguous() for w in split_gate_up(dw_gate_up)]
+
+
 def rope_pair_permutation(n_heads: int, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Row order that puts each half-split RoPE pair (i, i + head_dim/2) of every head in
     adjacent rows: new row 2i (+ head offset) is old row i, new row 2i+1 is old row i + head_dim/2."""

@@ -18,14 +18,8 @@ import torch
 from ..runtime import gemm
 from . import epilogues as E
 from .custom import fused_op
-from .layout import interleave_gate_up, split_gate_up
+from .layout import gate_up_grads, gate_up_rows
 from .rowwise import rms_prep
-
-
-def _interleaved(gate_up: list[torch.Tensor]) -> torch.Tensor:
-    """[w_gate_up] as it is, or [w_gate, w_up] interleaved (a copy made in forward and again in
-    backward: keeping it for backward would hold a [2F, D] copy per layer)."""
-    return gate_up[0] if len(gate_up) == 1 else interleave_gate_up(*gate_up)
 
 
 def _gated_mlp(epilogues: E.Gated) -> Callable[..., torch.Tensor]:
@@ -37,7 +31,7 @@ def _gated_mlp(epilogues: E.Gated) -> Callable[..., torch.Tensor]:
     def fwd(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor,
             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, rstd = rms_prep(x, norm_weight, eps)  # h = F.rms_norm(x, g): rstd is applied already
-        c = gemm(h, _interleaved(gate_up).T, save)
+        c = gemm(h, gate_up_rows(gate_up).T, save)
         return gemm(c["y"], w_down.T), c["z"], rstd
 
     def fwd_fake(x, norm_weight, gate_up, w_down, eps):
@@ -52,10 +46,9 @@ def _gated_mlp(epilogues: E.Gated) -> Callable[..., torch.Tensor]:
         dout = dout.contiguous()
         sb = gemm(dout, w_down, backward_zdz, z=z)
         dw_down = gemm(dout.T, sb["y"])
-        n = gemm(sb["dz"], _interleaved(gate_up), E.rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
+        n = gemm(sb["dz"], gate_up_rows(gate_up), E.rmsnorm_backward, x=x, norm_weight=norm_weight, rstd=rstd,
                  zdz_over_d=sb["zdz"] / x.shape[-1])
-        dw_gate_up = gemm(sb["dz"].T, n["normed"])
-        d_gate_up = [dw_gate_up] if len(gate_up) == 1 else [w.contiguous() for w in split_gate_up(dw_gate_up)]
+        d_gate_up = gate_up_grads(gemm(sb["dz"].T, n["normed"]), gate_up)
         return [n["dx"], n["dg"].to(norm_weight.dtype), *d_gate_up, dw_down]
 
     def bwd_fake(dout, x, norm_weight, gate_up, w_down, z, rstd):

@@ -13,16 +13,11 @@ import torch
 from ..runtime import gemm
 from .custom import fused_op
 from .epilogues import swiglu_backward, swiglu_save
-from .layout import interleave_gate_up, split_gate_up
-
-
-def _interleaved(gate_up: list[torch.Tensor]) -> torch.Tensor:
-    """[w_gate_up] as it is, or [w_gate, w_up] interleaved (a copy in forward and again in backward)."""
-    return gate_up[0] if len(gate_up) == 1 else interleave_gate_up(*gate_up)
+from .layout import gate_up_grads, gate_up_rows
 
 
 def _fwd(x: torch.Tensor, gate_up: list[torch.Tensor], w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h = gemm(x, _interleaved(gate_up).T, swiglu_save)
+    h = gemm(x, gate_up_rows(gate_up).T, swiglu_save)
     return gemm(h["y"], w_down.T), h["z"]
 
 
@@ -38,10 +33,8 @@ def _bwd(dout: torch.Tensor, x: torch.Tensor, z: torch.Tensor, gate_up: list[tor
          w_down: torch.Tensor) -> list[torch.Tensor]:
     back = gemm(dout, w_down, swiglu_backward, z=z)
     dw_down = gemm(dout.T, back["y"])
-    dx = gemm(back["dz"], _interleaved(gate_up))
-    dw_gate_up = gemm(back["dz"].T, x)
-    d_gate_up = [dw_gate_up] if len(gate_up) == 1 else [w.contiguous() for w in split_gate_up(dw_gate_up)]
-    return [dx, *d_gate_up, dw_down]
+    dx = gemm(back["dz"], gate_up_rows(gate_up))
+    return [dx, *gate_up_grads(gemm(back["dz"].T, x), gate_up), dw_down]
 
 
 def _bwd_fake(dout, x, z, gate_up, w_down):

@@ -168,18 +168,18 @@ def test_sequence_form_starts_where_documents_do() -> None:
     rows = masks.build(2, 6, pos.device, padding=None, docs=None, window=3, sequences=True)
     assert rows.starts.tolist() == [0, 6, 12] and rows.window == 3
     assert masks.build(2, 6, pos.device, padding=None, docs=None, window=6, sequences=True) is None
-    pad = torch.ones(2, 6, dtype=torch.long)
-    pad[1, 0] = 0
-    padded = masks.build(2, 6, pos.device, padding=pad, docs=None, window=None, sequences=True)
-    assert padded.starts is None and padded.allowed is not None  # padding always takes the boolean form
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="flash attention's variable-length kernel runs on a GPU")
 @pytest.mark.parametrize("heads,kv,head_dim", [(4, 1, 256), (8, 2, 64)])
 @pytest.mark.parametrize("window", [None, 5, 40])
-def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: int, window: int | None) -> None:
+@pytest.mark.parametrize("layout", ["documents", "padding"])
+def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: int, window: int | None,
+                                                layout: str) -> None:
     """bf16 on the GPU: the sequence form (flash, variable length) against the fp32 boolean form, output
-    and q/k/v gradients, within twice the error of bf16 SDPA with the boolean mask."""
+    and q/k/v gradients, within twice the error of bf16 SDPA with the boolean mask. Packed documents,
+    or padding: a right-padded and a left-padded row (with a window, which right padding's tail call
+    does not take, an unpadded and a left-padded row)."""
     from coda.models import attention, masks
 
     if not attention.varlen_applies(DEVICE, torch.bfloat16, head_dim):
@@ -188,7 +188,13 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
     g = torch.Generator().manual_seed(0)
     lengths = [[30, 17, 49], [96]]
     pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).to(DEVICE)
-    docs = masks.documents(pos)
+    docs = masks.documents(pos) if layout == "documents" else None
+    pad = None
+    if layout == "padding":
+        pad = torch.ones(batch, seq, dtype=torch.long, device=DEVICE)
+        pad[1, :30] = 0
+        if window is None:
+            pad[0, 76:] = 0
     tokens = batch * seq
     q, k, v = (torch.randn(tokens, n, head_dim, generator=g).to(DEVICE) for n in (heads, kv, kv))
     grad = torch.randn(tokens, heads * head_dim, generator=g).to(DEVICE)
@@ -196,7 +202,7 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
 
     def run(dtype: torch.dtype, sequences: bool) -> list[torch.Tensor]:
         leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        mask = masks.build(batch, seq, DEVICE, padding=None, docs=docs, window=window, sequences=sequences)
+        mask = masks.build(batch, seq, DEVICE, padding=pad, docs=docs, window=window, sequences=sequences)
         assert (mask.starts is not None) == sequences
         out = attention.attend(*leaves, batch, seq, mask, scale)
         out.backward(grad.to(dtype))
@@ -241,3 +247,108 @@ def test_packed_bf16_error_is_within_hf_bf16_error(family: str) -> None:
     for name, g in ref.items():
         err, hf_err = rel(ours[name], g), rel(hf[name], g)
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+
+
+# -- padding in the sequence form, on the CPU through a reference of flash's variable-length call ---------
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, *, scale: float, window_size: tuple[int, int]) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn's function, one sequence at a time: query i of a sequence
+    with Lq queries and Lk keys sits at key position i + Lk - Lq (flash aligns the ends) and attends
+    keys j with pos - left <= j <= pos + right (-1: unbounded); grouped kv heads serve H / KV q heads."""
+    out = torch.zeros_like(q)
+    left, right = window_size
+    for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()):
+        assert b - a <= max_q and d - c <= max_k
+        qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
+        ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], 0) for t in (ks, vs))
+        pos = torch.arange(b - a, device=q.device)[:, None] + (d - c) - (b - a)
+        j = torch.arange(d - c, device=q.device)[None, :]
+        allowed = torch.ones(b - a, d - c, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            allowed &= j <= pos + right
+        if left >= 0:
+            allowed &= j >= pos - left
+        scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
+        out[a:b] = (torch.softmax(scores, -1) @ vs).transpose(0, 1)
+    return out
+
+
+def _pads(rows: list[str]) -> torch.Tensor:
+    """A [B, S] attention_mask from strings of 1 (token) and 0 (pad)."""
+    return torch.tensor([[int(c) for c in r] for r in rows])
+
+
+def test_padding_takes_the_sequence_form_where_each_rows_tokens_are_one_run() -> None:
+    from coda.models import masks
+
+    pad = _pads(["111111", "001111", "111100", "011110", "000000"])
+    got = masks.build(5, 6, pad.device, padding=pad, docs=None, window=None, sequences=True)
+    # rows: whole; left pad run + tokens; tokens + right pad run; pad, tokens, pad; one (empty) run
+    assert got.allowed is None and got.starts.tolist() == [0, 6, 8, 12, 16, 18, 19, 23, 24, 30]
+    assert got.longest == 6
+    assert got.live[:, 0, 0].nonzero().flatten().tolist() == [
+        i for i in range(30) if i not in (6, 7, 18, 24, 25, 26, 27, 28, 29)]
+    assert got.tail.queries.tolist() == [16, 17, 23] and got.tail.keys.tolist() == [12, 13, 14, 15, 19, 20, 21, 22]
+    assert got.tail.cu_q.tolist() == [0, 2, 3] and got.tail.cu_k.tolist() == [0, 4, 8]
+    assert (got.tail.max_q, got.tail.max_k) == (2, 4)
+    left = masks.build(5, 6, pad.device, padding=pad[:2], docs=None, window=3, sequences=True)
+    assert left.starts is not None and left.window == 3 and left.tail is None  # left padding keeps windows
+    # the boolean form: a hole in a row, or a window with right padding (the tail call has no window)
+    for rows, window in ((["110111", "111111"], None), (["111100", "111111"], 3)):
+        boolean = masks.build(2, 6, pad.device, padding=_pads(rows), docs=None, window=window, sequences=True)
+        assert boolean.starts is None and boolean.allowed is not None, rows
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_padded_sequences_compute_the_boolean_mask(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """fp32 on the CPU, flash replaced by its reference: the sequence form of padding (runs, zeroed
+    queries, the tail call) gives the boolean form's output and q/k/v gradients."""
+    from coda.models import attention, masks
+
+    monkeypatch.setattr(attention, "_varlen", lambda: varlen_reference)
+    pad = _pads(["11111111", "00011111", "11110000", "01111100", "00000000"])
+    if window is not None:
+        pad = pad[:2]
+    batch, seq, heads, kv, hd = pad.shape[0], 8, 4, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch * seq, n, hd, generator=g, dtype=torch.float64) for n in (heads, kv, kv))
+    grad = torch.randn(batch * seq, heads * hd, generator=g, dtype=torch.float64)
+
+    def run(sequences: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        mask = masks.build(batch, seq, q.device, padding=pad, docs=None, window=window, sequences=sequences)
+        assert (mask.starts is not None) == sequences
+        out = attention.attend(*leaves, batch, seq, mask, hd ** -0.5)
+        out.backward(grad)
+        return [out] + [t.grad for t in leaves]
+
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), run(True), run(False)):
+        assert rel(got, ref) < 1e-12, f"{name}: {rel(got, ref):.3g}"
+
+
+@pytest.mark.parametrize("side", ["left", "right", "both"])
+def test_model_over_padded_sequences_matches_hf(monkeypatch: pytest.MonkeyPatch, side: str) -> None:
+    """The whole model taking the sequence form (as on a GPU in bf16; here fp32 through flash's
+    reference) against HF with the same attention_mask: logits of every token, loss, gradients."""
+    from coda.models import attention, llama
+
+    monkeypatch.setattr(attention, "_varlen", lambda: varlen_reference)
+    monkeypatch.setattr(llama, "varlen_applies", lambda *args: True)
+    hf = hf_model("llama", **FAMILIES["llama"])
+    model = coda.models.from_hf(hf)
+    ids, labels = ids_and_labels(3)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, SEQ - 3:] = 0
+    if side == "both":
+        mask[2, :2] = 0
+    elif side == "left":
+        mask[2] = 1
+    else:
+        mask[1] = 1
+    labels[mask == 0] = -100
+    with torch.no_grad():
+        ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+    assert rel(ours, theirs) < 1e-5
+    assert_same_step(model, hf, ids, labels, attention_mask=mask)

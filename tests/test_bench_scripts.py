@@ -406,7 +406,7 @@ def test_attention_script(cpu_harness) -> None:
     compile): the boolean mask against its fp32 self, the causal yardstick unchecked."""
     import attention as at
 
-    cases = {"packed_window": (4, 2, 8, 5, True), "window": (2, 1, 16, 3, False)}
+    cases = {"packed_window": (4, 2, 8, 5, "packed"), "window": (2, 1, 16, 3, "one"), "padded": (4, 2, 8, None, "padded")}
     rows = at.measure(batch=2, seq=32, cases=cases, variants=("sdpa_causal", "sdpa_mask"), dtype=torch.float32)
     assert cpu_harness.NOTES == []
     assert [(r["case"], r["variant"]) for r in rows] == [(c, v) for c in cases for v in ("sdpa_causal", "sdpa_mask")]

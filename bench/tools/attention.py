@@ -1,12 +1,12 @@
 """Attention under the masks of training (issue 26, item 4): which torch kernel computes
-transformers' causal-LM attention over packed documents and sliding windows fastest, measured
-against SDPA's causal kernel (attention with no document or window).
+transformers' causal-LM attention over packed documents, sliding windows and padding fastest,
+measured against SDPA's causal kernel (attention with no document, window or pad).
 
 Variants, each a layer's forward + backward (q, k, v gradients), bf16:
   sdpa_causal   SDPA is_causal: the yardstick (it ignores documents and windows: not a candidate)
   sdpa_mask     SDPA with the [B, 1, S, S] boolean mask (masks.py's boolean form)
-  flash_varlen  flash attention over each document with flash's window (masks.py's sequence form:
-                what coda.models runs on a GPU)
+  flash_varlen  flash attention over each document with flash's window, or over each row's tokens and
+                its right-padded queries (masks.py's sequence form: what coda.models runs on a GPU)
   flex          torch.compile(flex_attention) with a block mask of the same rule
 Cases, batch 2 x seq 4096, the train models' attention shapes (bench/train.py), documents of
 seq/8 to seq/2 tokens as train.py packs them:
@@ -14,6 +14,7 @@ seq/8 to seq/2 tokens as train.py packs them:
   gemma3_packed_window  the same over packed documents
   llama_packed          32 q / 8 kv heads of 64, packed
   qwen3_packed          16 q / 8 kv heads of 128, packed
+  llama_padded          32 q / 8 kv heads of 64, the second row right-padded from token 2560 (5/8 of it)
 Each variant is first checked against SDPA in fp32 with the boolean mask on the same inputs (the
 largest relative error of output and gradients, which must stay within 2x bf16 sdpa_mask's own),
 then timed (median, do_bench). first_s: its first call (flex's compile); mask_ms: building its mask
@@ -39,11 +40,12 @@ from coda.models import attention, masks
 from harness import NOTES, log, rel_err
 
 BATCH, SEQ = 2, 4096
-CASES = {  # name: (q heads, kv heads, head_dim, window, packed)
-    "gemma3_window": (4, 1, 256, 512, False),
-    "gemma3_packed_window": (4, 1, 256, 512, True),
-    "llama_packed": (32, 8, 64, None, True),
-    "qwen3_packed": (16, 8, 128, None, True),
+CASES = {  # name: (q heads, kv heads, head_dim, window, layout: one document a row, packed or padded)
+    "gemma3_window": (4, 1, 256, 512, "one"),
+    "gemma3_packed_window": (4, 1, 256, 512, "packed"),
+    "llama_packed": (32, 8, 64, None, "packed"),
+    "qwen3_packed": (16, 8, 128, None, "packed"),
+    "llama_padded": (32, 8, 64, None, "padded"),
 }
 VARIANTS = ("sdpa_causal", "sdpa_mask", "flash_varlen", "flex")
 
@@ -55,7 +57,15 @@ def _documents(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     return masks.documents(batches(8, batch, seq, True, str(device), count=1)[0]["position_ids"])
 
 
-def _flex(batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None, window: int | None):
+def _padding(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """[B, S] attention_mask of the padded case: the last row right-padded from 5/8 of it."""
+    pad = torch.ones(batch, seq, dtype=torch.long, device=device)
+    pad[-1, seq * 5 // 8:] = 0
+    return pad
+
+
+def _flex(batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None, window: int | None,
+          pad: torch.Tensor | None):
     """(make_mask, run) of FlexAttention with the rule of masks.py, for q/k/v in token-major layout."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -67,6 +77,8 @@ def _flex(batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None, 
             ok = ok & (docs[b, qi] == docs[b, ki])
         if window is not None:
             ok = ok & (qi - ki < window)
+        if pad is not None:
+            ok = ok & (pad[b, ki] == 1)
         return ok
 
     def make_mask():
@@ -81,7 +93,7 @@ def _flex(batch: int, seq: int, heads: int, kv: int, docs: torch.Tensor | None, 
 
 
 def _variant(name: str, batch: int, seq: int, heads: int, kv: int, head_dim: int, docs: torch.Tensor | None,
-             window: int | None):
+             window: int | None, pad: torch.Tensor | None):
     """(make_mask, run(q, k, v, mask, scale)) of one variant."""
     dev = torch.device(harness.DEVICE)
 
@@ -94,9 +106,9 @@ def _variant(name: str, batch: int, seq: int, heads: int, kv: int, head_dim: int
         sequences = name == "flash_varlen"
         if sequences and not attention.varlen_applies(dev, torch.bfloat16, head_dim):
             raise RuntimeError(f"torch {torch.__version__} has no variable-length flash attention with windows")
-        return (lambda: masks.build(batch, seq, dev, padding=None, docs=docs, window=window,
+        return (lambda: masks.build(batch, seq, dev, padding=pad, docs=docs, window=window,
                                     sequences=sequences)), coda_attend
-    return _flex(batch, seq, heads, kv, docs, window)
+    return _flex(batch, seq, heads, kv, docs, window, pad)
 
 
 def measure(batch: int = BATCH, seq: int = SEQ, cases: dict = CASES, variants: tuple[str, ...] = VARIANTS,
@@ -104,21 +116,22 @@ def measure(batch: int = BATCH, seq: int = SEQ, cases: dict = CASES, variants: t
     """A row per case and variant (a variant that fails is a note)."""
     dev, rows = torch.device(harness.DEVICE), []
     packed_docs = _documents(batch, seq, dev)
-    for case, (heads, kv, hd, window, packed) in cases.items():
-        docs = packed_docs if packed else None
+    for case, (heads, kv, hd, window, layout) in cases.items():
+        docs = packed_docs if layout == "packed" else None
+        pad = _padding(batch, seq, dev) if layout == "padded" else None
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(batch * seq, n, hd, device=dev, generator=g) for n in (heads, kv, kv))
         grad = torch.randn(batch * seq, heads * hd, device=dev, generator=g).to(dtype)
         scale = hd ** -0.5
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        exact = masks.build(batch, seq, dev, padding=None, docs=docs, window=window)
+        exact = masks.build(batch, seq, dev, padding=pad, docs=docs, window=window)
         ref_leaves = [t.requires_grad_() for t in (q, k, v)]
         ref_out = attention.attend(*ref_leaves, batch, seq, exact, scale)
         ref = [ref_out, *torch.autograd.grad(ref_out, ref_leaves, grad.float())]
         bound = None
         for name in variants:
             try:
-                make_mask, run = _variant(name, batch, seq, heads, kv, hd, docs, window)
+                make_mask, run = _variant(name, batch, seq, heads, kv, hd, docs, window, pad)
 
                 def step():
                     out = run(*leaves, mask, scale)
@@ -136,7 +149,7 @@ def measure(batch: int = BATCH, seq: int = SEQ, cases: dict = CASES, variants: t
                 elif name != "sdpa_causal" and bound is not None and err > bound:
                     raise AssertionError(f"error {err:.3g} over 2x bf16 sdpa_mask's ({bound:.3g})")
                 row = {"case": case, "heads": heads, "kv_heads": kv, "head_dim": hd, "window": window,
-                       "packed": packed, "variant": name, "ms": harness.timed(step),
+                       "layout": layout, "variant": name, "ms": harness.timed(step),
                        "mask_ms": harness.timed(make_mask), "first_s": first_s,
                        "error": None if name == "sdpa_causal" else err}
                 rows.append(row)

@@ -7,8 +7,10 @@ layer's mask (masks.py), computed by the fastest torch kernel that computes exac
   window as flash's left window. No [S, S] mask is built, and the kernel skips the blocks that
   lie outside a document or a window, so the work is the documents' and the windows' own; SDPA
   with a boolean mask computes every block (bench/tools/attention.py measures both).
-* Padding, fp32, the CPU, or a torch whose varlen attention has no window: SDPA with the
-  materialized boolean mask.
+  Left or right padding too (each row's unpadded tokens one run): the padded queries after the run
+  attend all of its keys in a second, smaller call (masks.py).
+* Padding of any other shape or under compilation, fp32, the CPU, or a torch whose varlen
+  attention has no window: SDPA with the materialized boolean mask.
 * Capped scores (Gemma 2): eager attention on materialized scores, as transformers computes them
   (no SDPA kernel applies a function to the scores).
 
@@ -44,7 +46,7 @@ def _varlen() -> Callable | None:
 def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether masks for these activations should be sequence starts for flash's variable-length
     kernel (bf16/fp16 on a CUDA GPU, head_dim at most 256 and a multiple of 8) rather than [S, S]
-    boolean masks. Padding is decided by the caller: it always takes the boolean mask."""
+    boolean masks (masks.build decides which masks can take that form)."""
     return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim <= 256
             and head_dim % 8 == 0 and _varlen() is not None)
 
@@ -55,9 +57,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: i
     tokens, h, hd = q.shape
     kv = k.shape[1]
     if mask is not None and mask.starts is not None:
-        window = (-1, 0) if mask.window is None else (mask.window - 1, 0)  # HF's window counts the query
-        out = _varlen()(q, k, v, mask.starts, mask.starts, seq, seq, scale=scale, window_size=window)
-        return out.reshape(tokens, h * hd)
+        return _sequences(q, k, v, mask, scale).reshape(tokens, h * hd)
     q, k, v = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
     if softcap is not None:
         out = softcapped_attention(q, k, v, mask, scale, softcap)
@@ -68,6 +68,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: i
         if mask.live is not None:
             out = out.masked_fill(~mask.live, 0.0)
     return out.transpose(1, 2).reshape(tokens, h * hd)
+
+
+def _sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+               scale: float) -> torch.Tensor:
+    """Flash over the mask's sequences (causal, within the window), then the right-padded queries'
+    full attention over their rows' unpadded keys written over their rows, then zeros where a
+    query has no key (masks.py). [T, H, hd]."""
+    window = (-1, 0) if mask.window is None else (mask.window - 1, 0)  # HF's window counts the query
+    out = _varlen()(q, k, v, mask.starts, mask.starts, mask.longest, mask.longest, scale=scale,
+                    window_size=window)
+    tail = mask.tail
+    if tail is not None:
+        keys, values = k.index_select(0, tail.keys), v.index_select(0, tail.keys)
+        rest = _varlen()(q.index_select(0, tail.queries), keys, values, tail.cu_q, tail.cu_k, tail.max_q,
+                         tail.max_k, scale=scale, window_size=(-1, -1))
+        out = out.index_copy(0, tail.queries, rest)
+    if mask.live is not None:
+        out = out.masked_fill(~mask.live, 0.0)
+    return out
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,

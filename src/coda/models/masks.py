@@ -12,7 +12,10 @@ sliding window. Built once per forward, one mask per distinct window, shared by 
 
 A mask takes one of two forms (attention.py picks the kernel): a boolean [S, S] mask per row, or,
 for flash attention's variable-length kernel, where each document starts in the flattened tokens
-and the window (padding always takes the boolean form).
+and the window. Padding takes the sequence form when each row's unpadded tokens are one run (left
+or right padding, outside compilation): the run is a sequence, a padded run before it outputs zeros,
+and the padded queries after it, which attend every unpadded key of their row in transformers, take
+a second, full (non-causal) call over those keys (without a window reaching: else the boolean form).
 """
 
 from __future__ import annotations
@@ -23,16 +26,34 @@ import torch
 
 
 @dataclass(frozen=True)
+class Tail:
+    """The right-padded queries of the sequence form: `queries` [P] their token indices, `keys` [K]
+    the unpadded tokens of their rows, and flash's cumulative starts (`cu_q`, `cu_k`, int32) and
+    longest lengths of both, one sequence per such row."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True)
 class AttentionMask:
     """Boolean form: `allowed` [B, 1, S, S], True where query (row) may attend key (column);
-    `live` [B, 1, S, 1], False for the rows that have no key (their output is zeroed), None when
-    every row has one. Sequence form: `starts` [N + 1] int32, where each of the N documents (or
-    rows) starts among the B * S tokens, then B * S; `window` the sliding window (None: none)."""
+    `live` [B, 1, S, 1], False for the queries that have no key (their output is zeroed), None
+    when every query has one. Sequence form: `starts` [N + 1] int32, where each of the N documents
+    (rows, padded or unpadded runs) starts among the B * S tokens, then B * S, and `longest` the
+    longest; `window` the sliding window (None: none); `live` [B * S, 1, 1] as above; `tail` the
+    right-padded queries' second call (None: none)."""
 
     allowed: torch.Tensor | None = None
     live: torch.Tensor | None = None
     starts: torch.Tensor | None = None
+    longest: int = 0
     window: int | None = None
+    tail: Tail | None = None
 
 
 def padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -63,7 +84,11 @@ def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor |
     if padding is None and docs is None and window is None:
         return None
     if sequences and padding is None:
-        return AttentionMask(starts=_starts(batch, seq, device, docs), window=window)
+        return AttentionMask(starts=_starts(batch, seq, device, docs), longest=seq, window=window)
+    if sequences and docs is None:
+        runs = _unpadded_runs(padding)
+        if runs is not None and (window is None or all(end == seq for _, end in runs)):
+            return _padded_sequences(batch, seq, device, runs, window)
     idx = torch.arange(seq, device=device)
     allowed = (idx[None, :] <= idx[:, None]).expand(batch, 1, seq, seq)
     if window is not None:
@@ -87,3 +112,48 @@ def _starts(batch: int, seq: int, device: torch.device, docs: torch.Tensor | Non
     first[:, 1:] = docs[:, 1:] != docs[:, :-1]
     end = torch.full((1,), batch * seq, device=device, dtype=torch.int32)
     return torch.cat([first.flatten().nonzero().flatten().to(torch.int32), end])
+
+
+def _unpadded_runs(padding: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Each row's unpadded tokens as one run [first, end) (an empty row: (S, S)); None where a row's
+    are not one run, or under compilation (which cannot read the data). Reads the mask (a sync)."""
+    if torch.compiler.is_compiling():
+        return None
+    live = padding.bool()
+    seq = live.shape[1]
+    idx = torch.arange(seq, device=live.device)
+    count = live.sum(1)
+    first = torch.where(live, idx, seq).amin(1)
+    end = torch.where(live, idx + 1, 0).amax(1)
+    rows = torch.stack([count, first, end], 1).tolist()
+    if any(n and e - f != n for n, f, e in rows):
+        return None
+    return [(f, e) if n else (seq, seq) for n, f, e in rows]
+
+
+def _padded_sequences(batch: int, seq: int, device: torch.device, runs: list[tuple[int, int]],
+                      window: int | None) -> AttentionMask:
+    """The sequence form of left and right padding (module docstring): per row the padded run before
+    its unpadded run, the unpadded run, the padded run after it, each a sequence; the first zeroed,
+    the last recomputed by the tail call."""
+    starts, live, queries, keys, cu_q, cu_k = [], torch.ones(batch * seq, dtype=torch.bool), [], [], [0], [0]
+    for row, (first, end) in enumerate(runs):
+        base = row * seq
+        starts += [base + i for i in sorted({0, first, end}) if i < seq]
+        live[base:base + first] = False
+        if first < end < seq:
+            queries.append(torch.arange(base + end, base + seq))
+            keys.append(torch.arange(base + first, base + end))
+            cu_q.append(cu_q[-1] + seq - end)
+            cu_k.append(cu_k[-1] + end - first)
+    bounds = starts + [batch * seq]
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    tail = None
+    if queries:
+        tail = Tail(torch.cat(queries).to(device), torch.cat(keys).to(device),
+                    torch.tensor(cu_q, dtype=torch.int32, device=device),
+                    torch.tensor(cu_k, dtype=torch.int32, device=device),
+                    max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:])))
+    return AttentionMask(live=None if bool(live.all()) else live.to(device)[:, None, None],
+                         starts=torch.tensor(bounds, dtype=torch.int32, device=device), longest=longest,
+                         window=window, tail=tail)

@@ -57,24 +57,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: i
     tokens, h, hd = q.shape
     kv = k.shape[1]
     if mask is not None and mask.starts is not None:
-        return _sequences(q, k, v, mask, scale).reshape(tokens, h * hd)
-    q, k, v = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
-    if softcap is not None:
-        out = softcapped_attention(q, k, v, mask, scale, softcap)
-    elif mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != kv)
+        out = _sequences(q, k, v, mask, scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale, enable_gqa=h != kv)
-        if mask.live is not None:
-            out = out.masked_fill(~mask.live, 0.0)
-    return out.transpose(1, 2).reshape(tokens, h * hd)
+        q, k, v = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
+        if softcap is not None:
+            out = softcapped_attention(q, k, v, mask, scale, softcap)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != kv)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale,
+                                                 enable_gqa=h != kv)
+        out = out.transpose(1, 2)
+    out = out.reshape(tokens, h * hd)
+    if mask is not None and mask.live is not None and softcap is None:
+        # Zeroed token-major: the kernel's backward then receives the output gradient in its output's
+        # layout. Zeroing the [B, H, S, hd] view hands SDPA a contiguous one instead, on which torch
+        # 2.11's cuDNN backward returned wrong q/k/v gradients (after a same-shaped call; H200).
+        out = out.masked_fill(~mask.live.reshape(tokens, 1), 0.0)
+    return out
 
 
 def _sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                scale: float) -> torch.Tensor:
     """Flash over the mask's sequences (causal, within the window), then the right-padded queries'
-    full attention over their rows' unpadded keys written over their rows, then zeros where a
-    query has no key (masks.py). [T, H, hd]."""
+    full attention over their rows' unpadded keys written over their rows (masks.py). [T, H, hd]."""
     window = (-1, 0) if mask.window is None else (mask.window - 1, 0)  # HF's window counts the query
     out = _varlen()(q, k, v, mask.starts, mask.starts, mask.longest, mask.longest, scale=scale,
                     window_size=window)
@@ -84,8 +90,6 @@ def _sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attentio
         rest = _varlen()(q.index_select(0, tail.queries), keys, values, tail.cu_q, tail.cu_k, tail.max_q,
                          tail.max_k, scale=scale, window_size=(-1, -1))
         out = out.index_copy(0, tail.queries, rest)
-    if mask.live is not None:
-        out = out.masked_fill(~mask.live, 0.0)
     return out
 
 

@@ -375,23 +375,27 @@ def meta(args) -> dict:
 
 def table(rows: list[dict]) -> str:
     """One line a row: time, throughput, memory, the kernel-time split, tokens/s against the
-    transformers variants of the same model and shape, and the logits check; a skipped row says so."""
+    transformers variants of the same model, shape, GPU and commit, and the logits check; a skipped row
+    says so. GPU and commit columns appear where the rows come from several."""
     peers = ("hf_eager", "hf_liger")
     lines = ["| model | batch x seq | packed | variant | ms | tokens/s | peak GiB | GEMMs | attention | everything else | "
              + " | ".join(f"vs {p}" for p in peers) + " | logits vs transformers |", "|" + "---|" * (11 + len(peers))]
-    base = {key(r): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}  # (ratios within one GPU)
+    base = {(key(r), r.get("commit")): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
     gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
-    if len(gpus) > 1:  # a GPU column where the rows come from several machines
-        lines = [lines[0].replace("| model |", "| GPU | model |"), lines[1] + "---|"]
+    commits = sorted({r["commit"] for r in rows if r.get("commit")})
+    if len(commits) > 1:
+        lines = [lines[0].replace("| model |", "| commit | model |"), lines[1] + "---|"]
+    if len(gpus) > 1:
+        lines = [lines[0].replace("| ", "| GPU | ", 1), lines[1] + "---|"]
     for r in rows:
         model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
-        head = ([r.get("gpu", "-")] if len(gpus) > 1 else []) + [
+        head = ([r.get("gpu", "-")] if len(gpus) > 1 else []) + ([r.get("commit", "-")] if len(commits) > 1 else []) + [
             model, f"{r['batch']} x {r['seq']}", "yes" if r.get("packed") else "no", r["variant"]]
         if "skipped" in r:
             lines.append("| " + " | ".join(head + ["skipped"] + ["-"] * (6 + len(peers))) + " |")
             continue
         b = r.get("breakdown_ms") or {}
-        ratios = [base.get(key({**r, "variant": p})) for p in peers]
+        ratios = [base.get((key({**r, "variant": p}), r.get("commit"))) for p in peers]
         cells = [f"{r['step_ms']:.1f}", f"{r['tokens_per_s'] / 1e3:.1f}k",
                  "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}",
                  *(f"{b[k]:.1f}" if k in b else "-" for k in ("gemms", "attention", "other")),
@@ -416,13 +420,14 @@ def markdown(data: dict, name: str) -> str:
 
 def merge(paths: list[Path], out: Path, note: str | None) -> None:
     """One table from the JSON of one or more runs (device calls); a later row replaces an earlier
-    one of the same GPU, model, shape, packing and variant. Each row keeps its run's GPU, and the
-    meta names every GPU when runs came on different ones (a loan may give an H100 for an H200)."""
+    one of the same GPU, model, shape, packing and variant. Each row keeps its run's GPU and commit,
+    and the meta names every GPU when runs came on different ones (a loan may give an H100 for an H200)."""
     data: dict = {"rows": [], "notes": []}
     gpus: list[str] = []
     for path in paths:
         part = json.loads(path.read_text())
-        part["rows"] = [{**r, "gpu": r.get("gpu", part["meta"]["gpu"])} for r in part["rows"]]
+        part["rows"] = [{**r, "gpu": r.get("gpu", part["meta"]["gpu"]),
+                         "commit": r.get("commit", part["meta"].get("commit"))} for r in part["rows"]]
         gpus += [part["meta"]["gpu"]] if part["meta"]["gpu"] not in gpus else []
         keys = {key(r) for r in part["rows"]}
         data["rows"] = [r for r in data["rows"] if key(r) not in keys] + part["rows"]

@@ -105,22 +105,29 @@ def test_kernel_categories() -> None:
     assert c("_rms_prep_kernel") == c("vectorized_elementwise_kernel") == c("_cross_entropy_kernel") == "other"
 
 
-def test_merge_keeps_each_rows_gpu_and_takes_ratios_within_one(tmp_path: Path) -> None:
-    """Device calls may land on different GPUs: merged rows keep their run's GPU, the table gets a
-    GPU column, and a variant is compared only with the peers measured on its own GPU."""
-    def part(gpu: str, eager_tps: float, coda_tps: float) -> Path:
+def test_merge_keeps_each_rows_gpu_and_commit_and_takes_ratios_within_them(tmp_path: Path) -> None:
+    """Device calls may land on different GPUs and commits: merged rows keep their run's GPU and commit,
+    the table gets a column for each that varies, and a variant is compared only with the peers measured
+    on its own GPU at its own commit (a later run of a peer does not make an older row's ratio)."""
+    def part(name: str, gpu: str, commit: str, runs: dict[str, float]) -> Path:
         rows = [{"model": "m", "seq": 8, "batch": 2, "packed": False, "variant": v, "step_ms": 16e3 / t,
-                 "tokens_per_s": t, "peak_mem_gib": 1.0} for v, t in (("hf_eager", eager_tps), ("coda", coda_tps))]
-        path = tmp_path / f"{gpu}.json"
-        path.write_text(json.dumps({"meta": {"gpu": gpu, "torch": "t", "protocol": "p"}, "rows": rows}))
+                 "tokens_per_s": t, "peak_mem_gib": 1.0} for v, t in runs.items()]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"meta": {"gpu": gpu, "torch": "t", "protocol": "p", "commit": commit},
+                                    "rows": rows}))
         return path
 
-    train.merge([part("A100", 1000.0, 1500.0), part("H200", 2000.0, 5000.0)], tmp_path / "out", None)
+    train.merge([part("a", "A100", "c1", {"hf_eager": 1000.0, "coda": 1500.0}),
+                 part("h", "H200", "c1", {"hf_eager": 2000.0, "coda": 5000.0, "coda_compile": 6000.0}),
+                 part("h2", "H200", "c2", {"hf_eager": 3000.0, "coda": 4500.0})], tmp_path / "out", None)
     data = json.loads((tmp_path / "out" / "train.json").read_text())
-    assert sorted((r["gpu"], r["variant"]) for r in data["rows"]) == [
-        ("A100", "coda"), ("A100", "hf_eager"), ("H200", "coda"), ("H200", "hf_eager")]
+    assert sorted((r["gpu"], r["commit"], r["variant"]) for r in data["rows"]) == [
+        ("A100", "c1", "coda"), ("A100", "c1", "hf_eager"), ("H200", "c1", "coda_compile"),
+        ("H200", "c2", "coda"), ("H200", "c2", "hf_eager")]
     assert data["meta"]["gpu"] == "A100 and H200"
     md = (tmp_path / "out" / "train.md").read_text()
-    assert "| GPU | model |" in md
-    assert "| A100 | m | 2 x 8 | no | coda |" in md and "| 1.50 | - |" in md  # 1500 / 1000, not / 2000
-    assert "| H200 | m | 2 x 8 | no | coda |" in md and "| 2.50 | - |" in md
+    assert "| GPU | commit | model |" in md
+    assert "| A100 | c1 | m | 2 x 8 | no | coda |" in md and "| 1.50 | - |" in md  # 1500 / 1000, not / 2000
+    assert "| H200 | c2 | m | 2 x 8 | no | coda |" in md and "| 1.50 | - |" in md  # 4500 / 3000
+    compiled = next(line for line in md.splitlines() if "| coda_compile |" in line)
+    assert compiled.endswith("| - | - | - |")  # its c1 hf_eager was replaced by c2's

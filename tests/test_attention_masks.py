@@ -170,6 +170,27 @@ def test_sequence_form_starts_where_documents_do() -> None:
     assert masks.build(2, 6, pos.device, padding=None, docs=None, window=6, sequences=True) is None
 
 
+def test_masks_of_several_windows_read_the_batch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with several windows (Gemma 3's local and global layers) builds a mask for each; the
+    document starts and the padded runs, each a host sync, are read once for all of them, and each
+    mask is the one `build` gives for its window alone."""
+    from coda.models import masks
+
+    reads = []
+    for name in ("_starts", "_unpadded_runs"):
+        fn = getattr(masks, name)
+        monkeypatch.setattr(masks, name, lambda *a, _fn=fn, _name=name: reads.append(_name) or _fn(*a))
+    docs = masks.documents(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]))
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    for kw in (dict(padding=None, docs=docs), dict(padding=pad, docs=None)):
+        reads.clear()
+        both = masks.build_all(2, 6, pad.device, windows={None, 4}, sequences=True, **kw)
+        assert len(reads) == 1, reads
+        for w, got in both.items():
+            alone = masks.build(2, 6, pad.device, window=w, sequences=True, **kw)
+            assert got.window == alone.window == w and torch.equal(got.starts, alone.starts)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="flash attention's variable-length kernel runs on a GPU")
 @pytest.mark.parametrize("heads,kv,head_dim", [(4, 1, 256), (8, 2, 64)])
 @pytest.mark.parametrize("window", [None, 5, 40])

@@ -32,7 +32,7 @@ from .attention import attend, varlen_applies
 from .families import FAMILIES, FROM_HF, foreign_code, problems
 from .llama_block import NativeBlockWeights, block_segment, inv_freq
 from .llama_ends import first_segment, last_segment
-from .masks import AttentionMask, build, documents, padding
+from .masks import AttentionMask, build_all, documents, padding
 from .qkv_projection import whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual
 
@@ -511,8 +511,8 @@ class LlamaForCausalLM(nn.Module):
         # only outside compilation (their starts have a data-dependent count).
         sequences = (c.attn_softcap is None and (docs is None or not torch.compiler.is_compiling())
                      and varlen_applies(input_ids.device, self.embed_tokens.dtype, c.dim_per_head))
-        masks = {w: build(batch, seq, input_ids.device, padding=pad, docs=docs, window=w, sequences=sequences)
-                 for w in {c.window(i) for i in range(c.num_hidden_layers)}}
+        masks = build_all(batch, seq, input_ids.device, padding=pad, docs=docs, sequences=sequences,
+                          windows={c.window(i) for i in range(c.num_hidden_layers)})
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens, padding_idx=c.pad_token_id)
         if c.gemma:  # HF's scale: sqrt(D) as an fp32 number, rounded to the embedding's dtype
             x = x * torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)

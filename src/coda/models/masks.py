@@ -75,18 +75,35 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     return docs
 
 
+def build_all(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor | None,
+              docs: torch.Tensor | None, windows: set[int | None], sequences: bool = False
+              ) -> dict[int | None, AttentionMask | None]:
+    """`build`'s mask for each window, the reads of the data they share (document starts, padded
+    runs: a host sync each) made once for all of them."""
+    reads: dict[str, object] = {}
+    return {w: build(batch, seq, device, padding=padding, docs=docs, window=w, sequences=sequences, reads=reads)
+            for w in windows}
+
+
 def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor | None,
-          docs: torch.Tensor | None, window: int | None, sequences: bool = False) -> AttentionMask | None:
+          docs: torch.Tensor | None, window: int | None, sequences: bool = False,
+          reads: dict[str, object] | None = None) -> AttentionMask | None:
     """The mask for one window size (None: plain causal attention, SDPA's `is_causal` path), in
-    the sequence form where `sequences` asks for it and nothing is padded."""
+    the sequence form where `sequences` asks for it and the padding allows (module docstring).
+    `reads` keeps what was read from the device for other windows of the same batch."""
+    reads = {} if reads is None else reads
     if window is not None and window >= seq:
         window = None
     if padding is None and docs is None and window is None:
         return None
     if sequences and padding is None:
-        return AttentionMask(starts=_starts(batch, seq, device, docs), longest=seq, window=window)
+        if "starts" not in reads:
+            reads["starts"] = _starts(batch, seq, device, docs)
+        return AttentionMask(starts=reads["starts"], longest=seq, window=window)
     if sequences and docs is None:
-        runs = _unpadded_runs(padding)
+        if "runs" not in reads:
+            reads["runs"] = _unpadded_runs(padding)
+        runs = reads["runs"]
         if runs is not None and (window is None or all(end == seq for _, end in runs)):
             return _padded_sequences(batch, seq, device, runs, window)
     idx = torch.arange(seq, device=device)

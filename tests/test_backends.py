@@ -31,7 +31,9 @@ from coda.ir.types import Kind
 from coda.ops import epilogues as E
 from coda.runtime import autotune, cache, fingerprint
 from coda.runtime.aot import hopper_spec
-from coda.runtime.config import COOPERATIVE_MIN_K, Config, default_config, gluon_constexprs
+from coda.runtime.config import Config, default_config
+from coda.runtime.gluon_backend import COOPERATIVE_MIN_K
+from coda.runtime.gluon_backend import constexprs as gluon_constexprs
 from coda.runtime.resources import (BARRIER_BYTES, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, gluon_scratch_bytes, ring_bytes,
                                     staging_bytes, store_bytes, tile_load_bytes)
 from coda.runtime.launch import PLAIN

@@ -16,7 +16,8 @@ from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
-from .config import Config, check_config, gluon_constexprs
+from .config import Config, check_config
+from .gluon_backend import constexprs as gluon_constexprs
 from .resources import GLUON_MAXNREG, HOPPER_SMEM_BYTES
 from .plan import launch_values
 from .specialize import make_spec, spec_fields

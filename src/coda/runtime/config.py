@@ -1,4 +1,6 @@
-"""Tile configurations and the default choice for a call (the autotuner refines these)."""
+"""Tile configurations: the model, its checks against a program, and the default choice for a
+call (the autotuner refines these) as far as both backends share it: each backend's own default
+and rules are in its module (`backends`); here the code budget and the fit to the GPU."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..codegen.size import code_size
 from ..ir.graph import Graph
-from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.nodes import ReduceOutput
 from ..ir.primitives import Backend
-from .resources import GLUON_CONSUMER_REGS, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, misfit, run_smem_bytes, smem_bytes
+from .backends import backend_of
+from .resources import GLUON_CONSUMERS, misfit, run_smem_bytes
 
 log = logging.getLogger("coda")
 
@@ -45,7 +47,7 @@ class Config(BaseModel):
     store_buffers: int = Field(default=1, ge=1, le=2)
     # gluon-hopper only: run the epilogue as one loop over its subtiles instead of one copy a
     # subtile (a third of the code, and no spills, in sm_90 compiles of the SwiGLU backward):
-    # the default for width-2 epilogues (`_gluon_default`), tried both ways by the tuner
+    # the default for width-2 epilogues (`gluon_backend._default`), tried both ways by the tuner
     epilogue_loop: bool = False
     # gluon-hopper only: both consumer warpgroups on every tile, block_m // 2 rows each (the
     # cooperative schedule), instead of alternate tiles (ping-pong). The epilogue no longer
@@ -71,22 +73,7 @@ class Config(BaseModel):
     def _subtiles(self) -> "Config":
         if self.epi_n < 16:
             raise ValueError(f"Config.subtile={self.subtile} leaves {self.epi_n} columns per epilogue subtile; at least 16")
-        if self.backend != "gluon-hopper":
-            if self.epi_stages != 2 or self.store_buffers != 1 or self.epilogue_loop or self.cooperative:
-                raise ValueError("Config: epi_stages, store_buffers, epilogue_loop and cooperative are gluon-hopper "
-                                 "options")
-        else:
-            if self.num_warps != 4 or self.flatten:
-                raise ValueError("Config: gluon-hopper runs one warpgroup per consumer (num_warps=4) and has no "
-                                 "flattened tile loop (flatten=False)")
-            if self.cooperative and self.block_m != 128:
-                raise ValueError(f"Config: the cooperative schedule splits a tile of block_m 128 into the two "
-                                 f"consumers' 64 rows (a wgmma's), got block_m {self.block_m}")
-            if self.block_m not in (64, 128) or self.epi_n > 256 or self.epi_m * self.block_n > 128 * 128:
-                raise ValueError(f"Config: gluon-hopper tiles need block_m 64 or 128, at most 256 columns per "
-                                 f"subtile and (rows per consumer) * block_n <= 16384 (two accumulators in "
-                                 f"registers), got {self.block_m}x{self.block_n} subtile {self.subtile}"
-                                 f"{' cooperative' if self.cooperative else ''}")
+        backend_of(self.backend).check(self)
         return self
 
     @property
@@ -106,13 +93,6 @@ class Config(BaseModel):
         return self.block_m // self.split_m
 
 
-def gluon_constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
-    """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
-    compile pass the same ones)."""
-    return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
-            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS, "SPLIT_M": cfg.split_m}
-
-
 def min_block_n(graph: Graph) -> int:
     """The fewest columns an epilogue (sub)tile may have: whole groups of every grouped reduction
     (outputs and group_sum / group_max values)."""
@@ -130,35 +110,18 @@ def check_config(graph: Graph, config: Config) -> None:
                          f"reductions need block_n // subtile >= {need}")
 
 
-def _heavy(graph: Graph) -> bool:
-    """Tile operands or several outputs: a 128x256 tile would spill, and a 128x128 one without
-    epilogue subtiles does for the SwiGLU backward (seen in sm_90 AOT compiles)."""
-    stores = sum(isinstance(o, StoreOutput) for o in graph.outputs)
-    return stores > 1 or len(graph.outputs) > 2 or any(s.kind.value == "tile" for s in graph.operands)
-
-
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
                    backend: Backend = "triton", smem: Callable[[Config], int] | None = None) -> Config:
-    """A reasonable config without tuning; on a GPU one that fits it (`fitted`), its shared
-    memory measured by `smem` (by default: Tile operands and tile outputs of a's dtype, all of
-    them TMA-legal)."""
-    size = 4 if in_dtype == "float32" else 2
-    need = min_block_n(graph)
-    if backend == "gluon-hopper":
-        cfg = _gluon_default(graph, size, m, n, k)
-    elif interpret:  # no shared memory to fit
-        block = 16 if max(m, n) <= 64 else 32
-        cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
-        return cfg.model_copy(update={"block_n": need}) if cfg.epi_n < need else cfg
-    elif in_dtype == "float32":
-        cfg = Config(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
-    elif graph.uses_width(Fraction(2)) or _heavy(graph):  # keep the epilogue's tiles in registers
-        cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True, subtile=2)
-    else:  # the H200 sweep's most robust winner (bench/results/sweep)
-        cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
-    if cfg.epi_n < need:
-        cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
-    smem = smem or (lambda c: run_smem_bytes(graph, c, size, size))
+    """A reasonable config without tuning: `backend`'s own (its module's `default_config`), on a
+    GPU within the code budget and one that fits it (`fit_default`)."""
+    return backend_of(backend).default_config(graph, in_dtype, interpret, m, n, k, smem)
+
+
+def fit_default(graph: Graph, cfg: Config, in_size: int, smem: Callable[[Config], int] | None) -> Config:
+    """A backend's default `cfg` within the code budget (`within_budget`) and fitted to the GPU
+    (`fitted`), its shared memory measured by `smem` (by default: Tile operands and tile outputs
+    of `in_size` bytes, all of them TMA-legal)."""
+    smem = smem or (lambda c: run_smem_bytes(graph, c, in_size, in_size))
     budgeted = within_budget(graph, cfg)
     try:
         return fitted(graph, budgeted, smem)
@@ -177,46 +140,25 @@ CODE_BUDGET = 32768
 
 
 def epilogue_code(graph: Graph, cfg: Config) -> float:
-    """The epilogue code of graph's kernel under cfg: Gluon's consumers each hold a copy of the
-    epilogue (one, as a loop, or one a subtile) over EPI_M x EPI_N elements in 128 threads; a Triton
-    kernel holds one a subtile over BLOCK_M x EPI_N in its warps, twice when its tile loop is
-    flattened (the pipeliner peels a second copy of the epilogue)."""
-    if cfg.backend == "gluon-hopper":
-        return code_size(graph, cfg.backend, cfg.epi_m * cfg.epi_n // 128,
-                         GLUON_CONSUMERS * (1 if cfg.epilogue_loop else cfg.subtile))
-    return code_size(graph, cfg.backend, cfg.block_m * cfg.epi_n // (32 * cfg.num_warps),
-                     cfg.subtile * (2 if cfg.flatten else 1))
+    """The epilogue code of graph's kernel under cfg (`codegen.size.code_size`), as its backend
+    holds copies of the epilogue (its module's `epilogue_code`)."""
+    return backend_of(cfg.backend).epilogue_code(graph, cfg)
 
 
 def within_budget(graph: Graph, cfg: Config) -> Config:
-    """cfg, or where its epilogue code is over CODE_BUDGET a config that holds less: gluon-hopper
-    runs the epilogue as one loop over its subtiles (then on narrower ones), Triton drops the
-    flattened loop's second copy (then halves subtiles and tiles, whole groups kept). A program the
-    budget is out of reach for (groups so wide that one subtile's elements alone exceed it) keeps
-    cfg. Only epilogues far heavier than a Transformer block's get here; their speed matters less
-    than a first call that does not take minutes."""
+    """cfg, or where its epilogue code is over CODE_BUDGET a config that holds less, by its
+    backend's steps (its module's `budget_step`: gluon-hopper loops over its subtiles, Triton drops
+    the flattened loop's second copy, then halves subtiles and tiles, whole groups kept). A program
+    the budget is out of reach for (groups so wide that one subtile's elements alone exceed it)
+    keeps cfg. Only epilogues far heavier than a Transformer block's get here; their speed matters
+    less than a first call that does not take minutes."""
     need = max(16, min_block_n(graph))
     steps = [cfg]
     while epilogue_code(graph, steps[-1]) > CODE_BUDGET:
-        c = steps[-1]
-        if c.backend == "gluon-hopper":
-            if not c.epilogue_loop and c.subtile > 1:
-                update: dict[str, object] = {"epilogue_loop": True}
-            elif c.epi_n // 2 >= need:
-                update = {"subtile": c.subtile * 2, "epilogue_loop": True}
-            else:
-                break
-        elif c.flatten:
-            update = {"flatten": False}
-        elif c.subtile > 1:
-            update = {"subtile": c.subtile // 2, "block_n": c.block_n // 2}
-        elif c.block_n // 2 >= need:
-            update = {"block_n": c.block_n // 2}
-        elif c.block_m > 64:
-            update = {"block_m": c.block_m // 2}
-        else:
+        update = backend_of(steps[-1].backend).budget_step(steps[-1], need)
+        if update is None:
             break
-        steps.append(c.model_copy(update=update))
+        steps.append(steps[-1].model_copy(update=update))
     return steps[-1] if epilogue_code(graph, steps[-1]) <= CODE_BUDGET else cfg
 
 
@@ -227,8 +169,8 @@ def _halvings(x: int, low: int) -> list[int]:
 def _below(cfg: Config, need: int) -> list[dict[str, object]]:
     """Configs no larger than `cfg` whose epilogue subtiles hold `need` columns, largest first:
     pipelined (2+ stages) before not, then by tile area, K step, stages, the schedule and
-    subtile width closest to cfg's (gluon-hopper keeps 2+ stages: its loader's ring)."""
-    low = 2 if cfg.backend == "gluon-hopper" else 1
+    subtile width closest to cfg's (stages down to its backend's `MIN_STAGES`)."""
+    low = backend_of(cfg.backend).MIN_STAGES
     options = []
     for bm, bn, bk, stages, coop in itertools.product(
             _halvings(cfg.block_m, 16), _halvings(cfg.block_n, max(16, need)), _halvings(cfg.block_k, 16),
@@ -299,85 +241,3 @@ def _no_fit(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int,
     return text
 
 
-# From this depth on, and for the plain GEMM at any depth, gluon-hopper defaults to the cooperative
-# schedule: on the H200 (bench/results/epilogue_cost/coop_ksweep_d2048.md,
-# coop_block_d2048.md, coop_block_d4096.md) the plain GEMM ran at
-# 0.98-1.05x cuBLAS cooperative against 1.04-1.09x ping-pong (K = 2048..16384), and the residual
-# and RMSNorm-backward epilogues at 1.04-1.10x against 1.12-1.13x from K = 8192; at the block's
-# shorter K ping-pong's hidden epilogue wins (e.g. RoPE 1.12 vs 1.19 at K = 2048).
-COOPERATIVE_MIN_K = 8192
-
-# The default's picture of the GPU for tile rounds: an H100 SXM's or H200's SMs. A wrong count
-# only makes the default a worse guess (tuning measures); the grid itself is the device's.
-HOPPER_SMS = 132
-# Ping-pong's plain K loop against cooperative's from K = 2048 on (coop_ksweep_d2048.md,
-# ksweep_d2048.md: 1.04-1.10x against 0.98-1.05x cuBLAS), the upper end, so that only a clear
-# win in tile rounds leaves the cooperative schedule.
-PINGPONG_KLOOP_COST = 1.10
-
-
-def cooperative_rounds_lose(m: int, n: int) -> bool:
-    """True when the cooperative 128x256 tiles leave the persistent grid's busiest SM clearly more
-    work than ping-pong's 128x128: each SM runs its tiles one after another, a cooperative tile
-    being two ping-pong tiles' work. [3072, 2048, K] (D=2048's qkv weight gradient) is the case:
-    192 cooperative tiles take 2 rounds on 132 SMs, 4 units, against ping-pong's 384 in 3, and the
-    H200 measured its cooperative plain GEMM at 1.16x cuBLAS (block_kernels.md, caf40b4)."""
-    rows = -(-m // 128)
-    coop_rounds = -(-(rows * -(-n // 256)) // HOPPER_SMS)
-    pingpong_rounds = -(-(rows * -(-n // 128)) // HOPPER_SMS)
-    return PINGPONG_KLOOP_COST * pingpong_rounds < 2 * coop_rounds
-
-
-def _gluon_default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config:
-    """128x128 tiles per consumer (a 128-register accumulator each, full-width MMAs) behind a
-    4-slot ring, the best gluon-hopper tile in the H200 sweep (bench/results/block_kernels.json).
-    The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
-    spills in sm_90 compiles of the block's epilogues), 16 where that is what lets every Tile
-    operand and tile output move through TMA beside the ring; none for reductions alone.
-    Wider reduction groups take wider subtiles (and 64-row tiles from 64-column groups on).
-    Epilogues that read or write width-2 tiles (the SwiGLU backward) run as one loop over the
-    subtiles: the H200 measured 2.18x -> 1.36x cuBLAS for it at D=2048, where rms_rope and the
-    RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md).
-    The plain GEMM, and any epilogue from K = COOPERATIVE_MIN_K on, take the cooperative
-    schedule on a 128x256 tile (32-column subtiles: no spills in sm_90 compiles of the block's
-    epilogues, where 64-column ones spill) where it fits shared memory, unless its tiles would
-    leave the grid's busiest SM clearly more work (`cooperative_rounds_lose`)."""
-    need = min_block_n(graph)
-    loop = graph.uses_width(Fraction(2))
-    plain = not graph.operands and len(graph.outputs) == 1 and isinstance(graph.outputs[0], StoreOutput)
-    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32 and not cooperative_rounds_lose(m, n):
-        cfg = Config(backend="gluon-hopper", block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3,
-                     subtile=8, epilogue_loop=loop, cooperative=True)
-        if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
-            return cfg
-    if not any(isinstance(o, StoreOutput) for o in graph.outputs) and need <= 128:
-        # reductions alone (an LM head's statistics): one subtile writes a quarter of the
-        # partials, and nothing is staged
-        return Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
-    fallback = None
-    # Groups of 64 columns or more (QK-norm's heads) take 64-row tiles of two subtiles of one group
-    # each, else one: in sm_90 compiles the head_dim 64 QK-norm epilogues (forward; backward) spill
-    # nothing at 64x128, 92 and 228 bytes at 64x256 in 4 subtiles, 48 and 2284 at 128x128 in 2; the
-    # head_dim 128 backward 652 at 64x128 in 1, 2996 at 64x256 in 2 (3 stages: 4 do not fit).
-    # Narrower groups: 32-column subtiles, 2 and 1 for groups too wide for 4 of a 64x256 tile.
-    wide = need >= 64
-    for subtile in (2, 1) if wide else (4, 8, 2, 1):
-        block_n = max(128, need * subtile)
-        cfg = _gluon_config(block_m=64 if wide or block_n > 128 else 128, block_n=block_n, num_stages=4,
-                            subtile=subtile, epilogue_loop=loop)
-        if cfg is not None and smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
-            return cfg
-        fallback = fallback or (cfg and cfg.model_copy(update={"num_stages": 3}))
-    if fallback is None:
-        groups = ", ".join(f"{what} sums groups of {group} columns" for what, group, _ in graph.column_groups())
-        raise ValueError(f"gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
-                         f"hold at most 256 columns (of a 64-row tile), {need} needed")
-    return fallback
-
-
-def _gluon_config(**fields: object) -> Config | None:
-    """A gluon-hopper config with a 64-deep K step, or None where its tile is not legal."""
-    try:
-        return Config(backend="gluon-hopper", block_k=64, num_warps=4, **fields)
-    except ValidationError:
-        return None

@@ -17,7 +17,8 @@ from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
 from . import compile_log
-from .config import Config, gluon_constexprs
+from .config import Config
+from .gluon_backend import constexprs as gluon_constexprs
 from .resources import GLUON_MAXNREG
 from .tma import gluon_layout
 from .validate import OPERAND_DTYPES, Call

@@ -1,0 +1,157 @@
+"""The gluon-hopper backend: everything particular to it, in the order a call meets it.
+
+Top to bottom: the configs it runs (`check`, the Config model's rule); its default config
+(`default_config`: the tile, schedule and subtiles measured best on the H200, then the shared code
+budget and fit to the GPU); how the code budget shrinks a config (`epilogue_code`, `budget_step`);
+what the fit search may lower (`MIN_STAGES`); the constexprs its kernel takes (`constexprs`).
+Shared code reaches this module through `backends.backend_of("gluon-hopper")`.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable
+
+from pydantic import ValidationError
+
+from ..codegen.size import code_size
+from ..ir.graph import Graph
+from ..ir.nodes import StoreOutput
+from .config import Config, fit_default, min_block_n
+from .resources import GLUON_CONSUMER_REGS, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, smem_bytes
+
+
+def check(cfg: Config) -> None:
+    """Raise ValueError where cfg is no gluon-hopper config (the Config model asks)."""
+    if cfg.num_warps != 4 or cfg.flatten:
+        raise ValueError("Config: gluon-hopper runs one warpgroup per consumer (num_warps=4) and has no "
+                         "flattened tile loop (flatten=False)")
+    if cfg.cooperative and cfg.block_m != 128:
+        raise ValueError(f"Config: the cooperative schedule splits a tile of block_m 128 into the two "
+                         f"consumers' 64 rows (a wgmma's), got block_m {cfg.block_m}")
+    if cfg.block_m not in (64, 128) or cfg.epi_n > 256 or cfg.epi_m * cfg.block_n > 128 * 128:
+        raise ValueError(f"Config: gluon-hopper tiles need block_m 64 or 128, at most 256 columns per "
+                         f"subtile and (rows per consumer) * block_n <= 16384 (two accumulators in "
+                         f"registers), got {cfg.block_m}x{cfg.block_n} subtile {cfg.subtile}"
+                         f"{' cooperative' if cfg.cooperative else ''}")
+
+
+def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
+                   smem: Callable[[Config], int] | None = None) -> Config:
+    """`_default` within the code budget and fitted to the GPU (`config.fit_default`, `smem`
+    measuring a config's shared memory); `interpret` changes nothing (the interpreter runs no
+    Gluon kernel, and nothing asks it to)."""
+    size = 4 if in_dtype == "float32" else 2
+    return fit_default(graph, _default(graph, size, m, n, k), size, smem)
+
+
+# From this depth on, and for the plain GEMM at any depth, gluon-hopper defaults to the cooperative
+# schedule: on the H200 (bench/results/epilogue_cost/coop_ksweep_d2048.md,
+# coop_block_d2048.md, coop_block_d4096.md) the plain GEMM ran at
+# 0.98-1.05x cuBLAS cooperative against 1.04-1.09x ping-pong (K = 2048..16384), and the residual
+# and RMSNorm-backward epilogues at 1.04-1.10x against 1.12-1.13x from K = 8192; at the block's
+# shorter K ping-pong's hidden epilogue wins (e.g. RoPE 1.12 vs 1.19 at K = 2048).
+COOPERATIVE_MIN_K = 8192
+
+# The default's picture of the GPU for tile rounds: an H100 SXM's or H200's SMs. A wrong count
+# only makes the default a worse guess (tuning measures); the grid itself is the device's.
+HOPPER_SMS = 132
+# Ping-pong's plain K loop against cooperative's from K = 2048 on (coop_ksweep_d2048.md,
+# ksweep_d2048.md: 1.04-1.10x against 0.98-1.05x cuBLAS), the upper end, so that only a clear
+# win in tile rounds leaves the cooperative schedule.
+PINGPONG_KLOOP_COST = 1.10
+
+
+def cooperative_rounds_lose(m: int, n: int) -> bool:
+    """True when the cooperative 128x256 tiles leave the persistent grid's busiest SM clearly more
+    work than ping-pong's 128x128: each SM runs its tiles one after another, a cooperative tile
+    being two ping-pong tiles' work. [3072, 2048, K] (D=2048's qkv weight gradient) is the case:
+    192 cooperative tiles take 2 rounds on 132 SMs, 4 units, against ping-pong's 384 in 3, and the
+    H200 measured its cooperative plain GEMM at 1.16x cuBLAS (block_kernels.md, caf40b4)."""
+    rows = -(-m // 128)
+    coop_rounds = -(-(rows * -(-n // 256)) // HOPPER_SMS)
+    pingpong_rounds = -(-(rows * -(-n // 128)) // HOPPER_SMS)
+    return PINGPONG_KLOOP_COST * pingpong_rounds < 2 * coop_rounds
+
+
+def _default(graph: Graph, in_size: int, m: int, n: int, k: int) -> Config:
+    """128x128 tiles per consumer (a 128-register accumulator each, full-width MMAs) behind a
+    4-slot ring, the best gluon-hopper tile in the H200 sweep (bench/results/block_kernels.json).
+    The epilogue runs on register slices of the accumulator: 32-column subtiles (the fewest
+    spills in sm_90 compiles of the block's epilogues), 16 where that is what lets every Tile
+    operand and tile output move through TMA beside the ring; none for reductions alone.
+    Wider reduction groups take wider subtiles (and 64-row tiles from 64-column groups on).
+    Epilogues that read or write width-2 tiles (the SwiGLU backward) run as one loop over the
+    subtiles: the H200 measured 2.18x -> 1.36x cuBLAS for it at D=2048, where rms_rope and the
+    RMSNorm backward gained nothing (bench/results/epilogue_cost/loop_d2048.md).
+    The plain GEMM, and any epilogue from K = COOPERATIVE_MIN_K on, take the cooperative
+    schedule on a 128x256 tile (32-column subtiles: no spills in sm_90 compiles of the block's
+    epilogues, where 64-column ones spill) where it fits shared memory, unless its tiles would
+    leave the grid's busiest SM clearly more work (`cooperative_rounds_lose`)."""
+    need = min_block_n(graph)
+    loop = graph.uses_width(Fraction(2))
+    plain = not graph.operands and len(graph.outputs) == 1 and isinstance(graph.outputs[0], StoreOutput)
+    if (plain or k >= COOPERATIVE_MIN_K) and need <= 32 and not cooperative_rounds_lose(m, n):
+        cfg = Config(backend="gluon-hopper", block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3,
+                     subtile=8, epilogue_loop=loop, cooperative=True)
+        if smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
+            return cfg
+    if not any(isinstance(o, StoreOutput) for o in graph.outputs) and need <= 128:
+        # reductions alone (an LM head's statistics): one subtile writes a quarter of the
+        # partials, and nothing is staged
+        return Config(backend="gluon-hopper", block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
+    fallback = None
+    # Groups of 64 columns or more (QK-norm's heads) take 64-row tiles of two subtiles of one group
+    # each, else one: in sm_90 compiles the head_dim 64 QK-norm epilogues (forward; backward) spill
+    # nothing at 64x128, 92 and 228 bytes at 64x256 in 4 subtiles, 48 and 2284 at 128x128 in 2; the
+    # head_dim 128 backward 652 at 64x128 in 1, 2996 at 64x256 in 2 (3 stages: 4 do not fit).
+    # Narrower groups: 32-column subtiles, 2 and 1 for groups too wide for 4 of a 64x256 tile.
+    wide = need >= 64
+    for subtile in (2, 1) if wide else (4, 8, 2, 1):
+        block_n = max(128, need * subtile)
+        cfg = _config(block_m=64 if wide or block_n > 128 else 128, block_n=block_n, num_stages=4,
+                      subtile=subtile, epilogue_loop=loop)
+        if cfg is not None and smem_bytes(graph, cfg, in_size, in_size) <= HOPPER_SMEM_BYTES:
+            return cfg
+        fallback = fallback or (cfg and cfg.model_copy(update={"num_stages": 3}))
+    if fallback is None:
+        groups = ", ".join(f"{what} sums groups of {group} columns" for what, group, _ in graph.column_groups())
+        raise ValueError(f"gluon-hopper cannot run epilogue {graph.name!r}: {groups}, and its epilogue subtiles "
+                         f"hold at most 256 columns (of a 64-row tile), {need} needed")
+    return fallback
+
+
+def _config(**fields: object) -> Config | None:
+    """A gluon-hopper config with a 64-deep K step, or None where its tile is not legal."""
+    try:
+        return Config(backend="gluon-hopper", block_k=64, num_warps=4, **fields)
+    except ValidationError:
+        return None
+
+
+def epilogue_code(graph: Graph, cfg: Config) -> float:
+    """The epilogue code of graph's kernel under cfg: the consumers each hold a copy of the
+    epilogue (one, as a loop, or one a subtile) over EPI_M x EPI_N elements in 128 threads."""
+    return code_size(graph, cfg.backend, cfg.epi_m * cfg.epi_n // 128,
+                     GLUON_CONSUMERS * (1 if cfg.epilogue_loop else cfg.subtile))
+
+
+def budget_step(cfg: Config, need: int) -> dict[str, object] | None:
+    """The next step toward less epilogue code (`config.within_budget`), or None where none is
+    left: run the epilogue as one loop over its subtiles, then on narrower ones (holding `need`
+    columns)."""
+    if not cfg.epilogue_loop and cfg.subtile > 1:
+        return {"epilogue_loop": True}
+    if cfg.epi_n // 2 >= need:
+        return {"subtile": cfg.subtile * 2, "epilogue_loop": True}
+    return None
+
+
+MIN_STAGES = 2  # the fit search keeps 2+ stages: the loader's ring
+
+
+def constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
+    """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
+    compile pass the same ones)."""
+    return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
+            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS, "SPLIT_M": cfg.split_m}

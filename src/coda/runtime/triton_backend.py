@@ -1,0 +1,81 @@
+"""The triton backend: everything particular to it, in the order a call meets it.
+
+Top to bottom: the configs it runs (`check`, the Config model's rule); its default config
+(`default_config`: small tiles under the interpreter, else the tile the H200 sweep found most
+robust, then the shared code budget and fit to the GPU); how the code budget shrinks a config
+(`epilogue_code`, `budget_step`); what the fit search may lower (`MIN_STAGES`). Triton runs every
+program, on any GPU and under the interpreter. Shared code reaches this module through
+`backends.backend_of("triton")`.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable
+
+from ..codegen.size import code_size
+from ..ir.graph import Graph
+from ..ir.nodes import StoreOutput
+from .config import Config, fit_default, min_block_n
+
+
+def check(cfg: Config) -> None:
+    """Raise ValueError where cfg sets an option only gluon-hopper has (the Config model asks)."""
+    if cfg.epi_stages != 2 or cfg.store_buffers != 1 or cfg.epilogue_loop or cfg.cooperative:
+        raise ValueError("Config: epi_stages, store_buffers, epilogue_loop and cooperative are gluon-hopper "
+                         "options")
+
+
+def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
+                   smem: Callable[[Config], int] | None = None) -> Config:
+    """Under the interpreter small tiles (no shared memory to fit); on a GPU a tile by dtype and
+    epilogue, widened to hold whole groups, within the code budget and fitted to the GPU
+    (`config.fit_default`, `smem` measuring a config's shared memory)."""
+    size = 4 if in_dtype == "float32" else 2
+    need = min_block_n(graph)
+    if interpret:  # no shared memory to fit
+        block = 16 if max(m, n) <= 64 else 32
+        cfg = Config(block_m=block, block_n=block, block_k=16 if k <= 64 else 32, group_m=2)
+        return cfg.model_copy(update={"block_n": need}) if cfg.epi_n < need else cfg
+    if in_dtype == "float32":
+        cfg = Config(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    elif graph.uses_width(Fraction(2)) or _heavy(graph):  # keep the epilogue's tiles in registers
+        cfg = Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True, subtile=2)
+    else:  # the H200 sweep's most robust winner (bench/results/sweep)
+        cfg = Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, flatten=True)
+    if cfg.epi_n < need:
+        cfg = cfg.model_copy(update={"block_n": need * cfg.subtile})
+    return fit_default(graph, cfg, size, smem)
+
+
+def _heavy(graph: Graph) -> bool:
+    """Tile operands or several outputs: a 128x256 tile would spill, and a 128x128 one without
+    epilogue subtiles does for the SwiGLU backward (seen in sm_90 AOT compiles)."""
+    stores = sum(isinstance(o, StoreOutput) for o in graph.outputs)
+    return stores > 1 or len(graph.outputs) > 2 or any(s.kind.value == "tile" for s in graph.operands)
+
+
+def epilogue_code(graph: Graph, cfg: Config) -> float:
+    """The epilogue code of graph's kernel under cfg: one copy of the epilogue a subtile over
+    BLOCK_M x EPI_N elements in its warps, twice when its tile loop is flattened (the pipeliner
+    peels a second copy of the epilogue)."""
+    return code_size(graph, cfg.backend, cfg.block_m * cfg.epi_n // (32 * cfg.num_warps),
+                     cfg.subtile * (2 if cfg.flatten else 1))
+
+
+def budget_step(cfg: Config, need: int) -> dict[str, object] | None:
+    """The next step toward less epilogue code (`config.within_budget`), or None where none is
+    left: drop the flattened loop's second copy, then halve subtiles and tiles, each subtile still
+    holding `need` columns."""
+    if cfg.flatten:
+        return {"flatten": False}
+    if cfg.subtile > 1:
+        return {"subtile": cfg.subtile // 2, "block_n": cfg.block_n // 2}
+    if cfg.block_n // 2 >= need:
+        return {"block_n": cfg.block_n // 2}
+    if cfg.block_m > 64:
+        return {"block_m": cfg.block_m // 2}
+    return None
+
+
+MIN_STAGES = 1  # the fit search may drop the K loop's pipelining

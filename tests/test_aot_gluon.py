@@ -42,7 +42,8 @@ from coda.ir.nodes import StoreOutput
 from coda.ops import epilogues as E
 from coda.runtime.aot import hopper_spec
 from coda.runtime.launch import PLAIN
-from coda.runtime.resources import GLUON_MAXNREG, HOPPER_SMEM_BYTES
+from coda.runtime.gluon_backend import MAXNREG as GLUON_MAXNREG
+from coda.runtime.resources import HOPPER_SMEM_BYTES
 from aot_worker import AotWorker, script
 from test_properties import Program, programs
 

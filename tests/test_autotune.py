@@ -470,7 +470,8 @@ def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     is kept, the stores fall back to pointers while they do not fit."""
     import torch
     from coda.ops.epilogues import swiglu_backward
-    from coda.runtime.resources import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes, triton_scratch_bytes
+    from coda.runtime.resources import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes
+    from coda.runtime.triton_backend import scratch_bytes as triton_scratch_bytes
     from coda.runtime.specialize import call_smem_bytes
     from coda.runtime.specialize import spec_fields as _spec_fields
     from coda.runtime.validate import validate

@@ -18,7 +18,8 @@ from ..ir.types import Kind
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
 from .config import Config, check_config
 from .gluon_backend import constexprs as gluon_constexprs
-from .resources import GLUON_MAXNREG, HOPPER_SMEM_BYTES
+from .gluon_backend import MAXNREG as GLUON_MAXNREG
+from .resources import HOPPER_SMEM_BYTES
 from .plan import launch_values
 from .specialize import make_spec, spec_fields
 from .tma import gluon_layout

@@ -15,9 +15,11 @@ from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput
 from ..ir.primitives import Backend
 from .backends import backend_of
-from .resources import GLUON_CONSUMERS, misfit, run_smem_bytes
+from .resources import misfit, run_smem_bytes
 
 log = logging.getLogger("coda")
+
+GLUON_CONSUMERS = 2  # gluon-hopper: consumer warpgroups, each with its own TMA store staging
 
 
 def _pow2(x: int) -> bool:

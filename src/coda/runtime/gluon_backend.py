@@ -3,22 +3,24 @@
 Top to bottom: the configs it runs (`check`, the Config model's rule); its default config
 (`default_config`: the tile, schedule and subtiles measured best on the H200, then the shared code
 budget and fit to the GPU); how the code budget shrinks a config (`epilogue_code`, `budget_step`);
-what the fit search may lower (`MIN_STAGES`); the constexprs its kernel takes (`constexprs`).
+its resources (`MIN_STAGES` for the fit search, the register split, and `shared_bytes`: the
+epilogue loader's rings, each consumer's store staging, the compiler's scratch); the constexprs
+its kernel takes (`constexprs`).
 Shared code reaches this module through `backends.backend_of("gluon-hopper")`.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, Sequence
 
 from pydantic import ValidationError
 
 from ..codegen.size import code_size
 from ..ir.graph import Graph
-from ..ir.nodes import StoreOutput
-from .config import Config, fit_default, min_block_n
-from .resources import GLUON_CONSUMER_REGS, GLUON_CONSUMERS, HOPPER_SMEM_BYTES, smem_bytes
+from ..ir.nodes import ReduceOutput, StoreOutput
+from .config import GLUON_CONSUMERS, Config, fit_default, min_block_n
+from .resources import BARRIER_BYTES, HOPPER_SMEM_BYTES, Staged, ring_bytes, smem_bytes, staging_bytes
 
 
 def check(cfg: Config) -> None:
@@ -148,10 +150,45 @@ def budget_step(cfg: Config, need: int) -> dict[str, object] | None:
 
 
 MIN_STAGES = 2  # the fit search keeps 2+ stages: the loader's ring
+CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
+MAXNREG = 168  # registers per thread at launch: 3 warpgroups share the 64K register file
+
+
+def tile_load_bytes(cfg: Config, width: Fraction, size: int) -> int:
+    """Shared memory for one TMA-read Tile operand: the epilogue loader keeps a ring of
+    `epi_stages` subtiles (one ring per consumer when they share tiles)."""
+    slots = cfg.epi_stages * cfg.split_m
+    return slots * staging_bytes(cfg, width, size)
+
+
+def store_bytes(cfg: Config, width: Fraction, size: int) -> int:
+    """Shared memory for one TMA-stored tile output: `store_buffers` subtiles per consumer."""
+    copies = GLUON_CONSUMERS * cfg.store_buffers
+    return copies * staging_bytes(cfg, width, size)
+
+
+def scratch_bytes(graph: Graph, cfg: Config) -> int:
+    """Shared memory the compiler takes for the epilogue's cross-warp traffic: sums over rows
+    (reduce_m: the 4 warps' partial columns) and grouped reductions (their [rows, groups] result
+    changes layout), each one fp32 subtile at most; pairs, interleave and subtiles take none
+    (their layouts split and join in registers)."""
+    moves = any(isinstance(o, ReduceOutput) and (o.axis == "m" or o.group is not None) for o in graph.outputs)
+    return cfg.epi_m * cfg.epi_n * 4 if moves else 0
+
+
+def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
+                 pointer_tiles: bool) -> int:
+    """Shared memory of the kernel whose `loads` and `stores` move through TMA
+    (`resources.shared_bytes`; `pointer_tiles` counts nothing here): the ring, each staged Tile's
+    and output's copies, the scratch and the barriers, all allocated at once."""
+    ring = ring_bytes(cfg, in_size)
+    loaded = sum(tile_load_bytes(cfg, s.width, s.size) for s in loads)
+    stored = sum(store_bytes(cfg, s.width, s.size) for s in stores)
+    return ring + loaded + stored + scratch_bytes(graph, cfg) + BARRIER_BYTES
 
 
 def constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
     """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
     compile pass the same ones)."""
     return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
-            "B_COL": b_col, "CONSUMER_REGS": GLUON_CONSUMER_REGS, "SPLIT_M": cfg.split_m}
+            "B_COL": b_col, "CONSUMER_REGS": CONSUMER_REGS, "SPLIT_M": cfg.split_m}

@@ -19,7 +19,7 @@ from ..ir.types import Kind
 from . import compile_log
 from .config import Config
 from .gluon_backend import constexprs as gluon_constexprs
-from .resources import GLUON_MAXNREG
+from .gluon_backend import MAXNREG as GLUON_MAXNREG
 from .tma import gluon_layout
 from .validate import OPERAND_DTYPES, Call
 

@@ -5,7 +5,9 @@ tile outputs, the compiler's scratch for the epilogue's layout changes and cross
 reductions, barriers) and accumulator registers. Each number is an upper bound of what Triton
 3.6 allocates, checked against sm_90 AOT compiles specialized as the JIT specializes a launch
 (tests/test_resources.py). The default choice, the tuner's pruning, the TMA staging choice and
-the check before every GPU launch all ask this module.
+the check before every GPU launch all ask this module. Here are the parts both templates share;
+each backend's module adds up its own kernel's shared memory (its `shared_bytes`: how many
+staging copies it keeps, what its compiler takes as scratch).
 """
 
 from __future__ import annotations
@@ -15,15 +17,13 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Sequence
 
 from ..ir.graph import Graph
-from ..ir.nodes import ReduceOutput, StoreOutput
+from ..ir.nodes import StoreOutput
+from .backends import backend_of
 
 if TYPE_CHECKING:
     from .config import Config
 
 HOPPER_SMEM_BYTES = 232448  # shared memory a block may use on sm_90 (227 KiB, opt-in)
-GLUON_CONSUMERS = 2  # gluon-hopper: consumer warpgroups, each with its own TMA store staging
-GLUON_CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
-GLUON_MAXNREG = 168  # registers per thread at launch: 3 warpgroups share the 64K register file
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before the epilogue's own
 # mbarriers and the tile-id ring beside the explicit buffers: 16-56 bytes in sm_90 compiles
 BARRIER_BYTES = 1024
@@ -40,54 +40,6 @@ def staging_bytes(cfg: Config, width: Fraction, out_size: int) -> int:
     return cfg.epi_m * int(cfg.epi_n * width) * out_size
 
 
-def tile_load_bytes(cfg: Config, width: Fraction, size: int) -> int:
-    """Shared memory for one TMA-read Tile operand: Triton stages one subtile, gluon-hopper's
-    epilogue loader keeps a ring of `epi_stages` subtiles (one ring per consumer when they
-    share tiles)."""
-    slots = cfg.epi_stages * cfg.split_m if cfg.backend == "gluon-hopper" else 1
-    return slots * staging_bytes(cfg, width, size)
-
-
-def store_bytes(cfg: Config, width: Fraction, size: int) -> int:
-    """Shared memory for one TMA-stored tile output: gluon-hopper stages `store_buffers` subtiles
-    per consumer."""
-    copies = GLUON_CONSUMERS * cfg.store_buffers if cfg.backend == "gluon-hopper" else 1
-    return copies * staging_bytes(cfg, width, size)
-
-
-def gluon_scratch_bytes(graph: Graph, cfg: Config) -> int:
-    """Shared memory the compiler takes for a gluon-hopper epilogue's cross-warp traffic: sums
-    over rows (reduce_m: the 4 warps' partial columns) and grouped reductions (their
-    [rows, groups] result changes layout), each one fp32 subtile at most; pairs, interleave
-    and subtiles take none (their layouts split and join in registers)."""
-    if cfg.backend != "gluon-hopper":
-        return 0
-    moves = any(isinstance(o, ReduceOutput) and (o.axis == "m" or o.group is not None) for o in graph.outputs)
-    return cfg.epi_m * cfg.epi_n * 4 if moves else 0
-
-
-def _widest(graph: Graph) -> Fraction:
-    widths = [n.frac_width for n in graph.nodes if n.kind.has_cols]
-    return max(widths + [s.frac_width for s in graph.operands if s.kind.has_cols] + [Fraction(1)])
-
-
-def triton_scratch_bytes(graph: Graph, cfg: Config, pointer_tiles: bool) -> int:
-    """Shared memory Triton's compiler takes for the epilogue beside its explicit buffers.
-    A Tile operand read through pointers arrives in a vectorized layout, which the compiler
-    converts to the accumulator's (or back) through shared memory: up to one fp32 subtile of
-    the widest value (sm_90 compiles: 32 KB for a 128x256 grouped max beside a bf16 Tile, 128 KB
-    for pairs of a width-2 Tile), none when Tiles come through TMA. Reductions exchange
-    per-warp partials: a [rows or columns, warps] fp32 buffer at most. Row and column vectors
-    (offsets, VecM/VecN operands) change layout too: one int64 vector at most (1 KB beside the
-    explicit buffers in sm_90 compiles of the SwiGLU backward)."""
-    if cfg.backend == "gluon-hopper":
-        return 0
-    cols = int(cfg.epi_n * _widest(graph))
-    convert = cfg.epi_m * cols * 4 if pointer_tiles else 0
-    reduce = (cfg.epi_m + cols) * cfg.num_warps * 4 if any(isinstance(o, ReduceOutput) for o in graph.outputs) else 0
-    return convert + reduce + 8 * max(cfg.epi_m, cols)
-
-
 @dataclass(frozen=True)
 class Staged:
     """A Tile operand or tile output that may move through TMA: its name, width and item size."""
@@ -100,18 +52,8 @@ class Staged:
 def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
                  pointer_tiles: bool) -> int:
     """Shared memory of a kernel whose `loads` and `stores` move through TMA (`pointer_tiles`:
-    some Tile operand does not). Triton frees a non-flattened K loop's ring for the epilogue
-    (its staged loads and scratch then share those bytes, sm_90 compiles show), but never the
-    TMA stores' buffers, which drain while the next tile runs."""
-    ring = ring_bytes(cfg, in_size)
-    loaded = sum(tile_load_bytes(cfg, s.width, s.size) for s in loads)
-    stored = sum(store_bytes(cfg, s.width, s.size) for s in stores)
-    if cfg.backend == "gluon-hopper":
-        return ring + loaded + stored + gluon_scratch_bytes(graph, cfg) + BARRIER_BYTES
-    epilogue = loaded + triton_scratch_bytes(graph, cfg, pointer_tiles)
-    if cfg.flatten:
-        return ring + stored + epilogue + BARRIER_BYTES
-    return stored + max(ring, epilogue) + BARRIER_BYTES
+    some Tile operand does not), as its backend adds it up (its module's `shared_bytes`)."""
+    return backend_of(cfg.backend).shared_bytes(graph, cfg, in_size, loads, stores, pointer_tiles)
 
 
 def staging(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],

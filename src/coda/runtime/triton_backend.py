@@ -3,20 +3,22 @@
 Top to bottom: the configs it runs (`check`, the Config model's rule); its default config
 (`default_config`: small tiles under the interpreter, else the tile the H200 sweep found most
 robust, then the shared code budget and fit to the GPU); how the code budget shrinks a config
-(`epilogue_code`, `budget_step`); what the fit search may lower (`MIN_STAGES`). Triton runs every
-program, on any GPU and under the interpreter. Shared code reaches this module through
-`backends.backend_of("triton")`.
+(`epilogue_code`, `budget_step`); its resources (`MIN_STAGES` for the fit search, and
+`shared_bytes`: one staging subtile per TMA-moved tile, the compiler's scratch, the ring freed
+for the epilogue when the tile loop is not flattened). Triton runs every program, on any GPU and
+under the interpreter. Shared code reaches this module through `backends.backend_of("triton")`.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..codegen.size import code_size
 from ..ir.graph import Graph
-from ..ir.nodes import StoreOutput
+from ..ir.nodes import ReduceOutput, StoreOutput
 from .config import Config, fit_default, min_block_n
+from .resources import BARRIER_BYTES, Staged, ring_bytes, staging_bytes
 
 
 def check(cfg: Config) -> None:
@@ -79,3 +81,39 @@ def budget_step(cfg: Config, need: int) -> dict[str, object] | None:
 
 
 MIN_STAGES = 1  # the fit search may drop the K loop's pipelining
+
+
+def _widest(graph: Graph) -> Fraction:
+    widths = [n.frac_width for n in graph.nodes if n.kind.has_cols]
+    return max(widths + [s.frac_width for s in graph.operands if s.kind.has_cols] + [Fraction(1)])
+
+
+def scratch_bytes(graph: Graph, cfg: Config, pointer_tiles: bool) -> int:
+    """Shared memory Triton's compiler takes for the epilogue beside its explicit buffers.
+    A Tile operand read through pointers arrives in a vectorized layout, which the compiler
+    converts to the accumulator's (or back) through shared memory: up to one fp32 subtile of
+    the widest value (sm_90 compiles: 32 KB for a 128x256 grouped max beside a bf16 Tile, 128 KB
+    for pairs of a width-2 Tile), none when Tiles come through TMA. Reductions exchange
+    per-warp partials: a [rows or columns, warps] fp32 buffer at most. Row and column vectors
+    (offsets, VecM/VecN operands) change layout too: one int64 vector at most (1 KB beside the
+    explicit buffers in sm_90 compiles of the SwiGLU backward)."""
+    cols = int(cfg.epi_n * _widest(graph))
+    convert = cfg.epi_m * cols * 4 if pointer_tiles else 0
+    reduce = (cfg.epi_m + cols) * cfg.num_warps * 4 if any(isinstance(o, ReduceOutput) for o in graph.outputs) else 0
+    return convert + reduce + 8 * max(cfg.epi_m, cols)
+
+
+def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
+                 pointer_tiles: bool) -> int:
+    """Shared memory of the kernel whose `loads` and `stores` move through TMA, one subtile's
+    staging each (`pointer_tiles`: some Tile operand does not; `resources.shared_bytes`). Triton
+    frees a non-flattened K loop's ring for the epilogue (its staged loads and scratch then share
+    those bytes, sm_90 compiles show), but never the TMA stores' buffers, which drain while the
+    next tile runs."""
+    ring = ring_bytes(cfg, in_size)
+    loaded = sum(staging_bytes(cfg, s.width, s.size) for s in loads)
+    stored = sum(staging_bytes(cfg, s.width, s.size) for s in stores)
+    epilogue = loaded + scratch_bytes(graph, cfg, pointer_tiles)
+    if cfg.flatten:
+        return ring + stored + epilogue + BARRIER_BYTES
+    return stored + max(ring, epilogue) + BARRIER_BYTES

@@ -15,14 +15,12 @@ from ..codegen import OperandForm, Specialization, generate, operand_args, outpu
 from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
 from ..ir.types import Kind
+from .backends import backend_of
 from .cache import _import, atomic_write, cache_dir, kernel_key, seal
 from .config import Config, check_config
-from .gluon_backend import constexprs as gluon_constexprs
-from .gluon_backend import MAXNREG as GLUON_MAXNREG
 from .resources import HOPPER_SMEM_BYTES
 from .plan import launch_values
 from .specialize import make_spec, spec_fields
-from .tma import gluon_layout
 from .validate import Call
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int8": "i8", "int16": "i16",
@@ -42,22 +40,23 @@ class AotResult:
         return "wgmma.mma_async" in self.ptx
 
 
-def _desc(dtype: str, block: list[int], gluon: bool) -> str:
+def _desc(dtype: str, block: list[int], backend: str) -> str:
     """A tensor-descriptor signature type; Gluon's also carries the box's shared layout."""
     text = f"tensordesc<{_SHORT[dtype]}[{block[0]}, {block[1]}]"
-    return text + (f",{gluon_layout(block, dtype)!r}>" if gluon else ">")
+    layout = backend_of(backend).shared_layout(block, dtype)
+    return text + (f",{layout!r}>" if layout is not None else ">")
 
 
 def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[str, str], dict[str, object]]:
     t = _SHORT[spec.in_dtype]
-    gluon = spec.backend == "gluon-hopper"
+    backend = backend_of(spec.backend)
     sig: dict[str, str] = {}
     for name, mode, block in (("a_src", spec.a_load, [cfg.block_m, cfg.block_k]), ("b_src", spec.b_load, [cfg.block_k, cfg.block_n])):
         if mode == "ptr":
             sig[name] = f"*{t}"
         else:
-            sig[name] = _desc(spec.in_dtype, block if mode == "tma_row" else block[::-1], gluon)
-    for name in ("M", "N", "K") + (() if gluon else ("stride_am", "stride_ak", "stride_bk", "stride_bn")):
+            sig[name] = _desc(spec.in_dtype, block if mode == "tma_row" else block[::-1], spec.backend)
+    for name in ("M", "N", "K") + backend.STRIDE_ARGS:
         sig[name] = "i32"
     forms = {f.name: f for f in spec.operands}
     for s in graph.operands:
@@ -67,7 +66,7 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
             sig[names[0]] = "fp32"
             continue
         if s.name in spec.tma_tiles:
-            sig[names[0]] = _desc(form.dtype, [cfg.epi_m, int(cfg.epi_n * s.frac_width)], gluon)
+            sig[names[0]] = _desc(form.dtype, [cfg.epi_m, int(cfg.epi_n * s.frac_width)], spec.backend)
         else:
             sig[names[0]] = f"*{_SHORT[form.dtype]}"
         for n in names[1:]:
@@ -77,17 +76,14 @@ def _signature(graph: Graph, spec: Specialization, cfg: Config) -> tuple[dict[st
         names = output_args(o)
         if isinstance(o, StoreOutput) and o.name in spec.tma_stores:
             cols = int(cfg.epi_n * graph.node(o.x).frac_width)
-            sig[names[0]] = _desc(stores[o.name], [cfg.epi_m, cols], gluon)
+            sig[names[0]] = _desc(stores[o.name], [cfg.epi_m, cols], spec.backend)
         else:
             sig[names[0]] = f"*{_SHORT[stores[o.name]]}" if isinstance(o, StoreOutput) else "*fp32"
         for n in names[1:]:
             sig[n] = "i32"
     constexprs: dict[str, object] = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                                      "GROUP_M": cfg.group_m, "NUM_SMS": 132, "EPI_N": cfg.epi_n}
-    if gluon:
-        constexprs.update(gluon_constexprs(cfg, spec.a_load == "tma_col", spec.b_load == "tma_col"))
-    else:
-        constexprs["FLATTEN"] = cfg.flatten
+    constexprs.update(backend.constexprs(cfg, spec.a_load == "tma_col", spec.b_load == "tma_col"))
     for name in constexprs:
         sig[name] = "constexpr"
     return sig, constexprs
@@ -117,8 +113,6 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config,
     compile what the GPU would run for them; without, a kernel for any sizes."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_hopper needs a process started with TRITON_INTERPRET=0")
@@ -136,12 +130,9 @@ def compile_hopper(graph: Graph, spec: Specialization, cfg: Config,
     module = _import(path, f"coda_aot_{key}")
     sig, constexprs = _signature(graph, spec, cfg)
     attrs = _jit_specialized(sig, constexprs, values) if values is not None else None
-    if spec.backend == "gluon-hopper":
-        src = GluonASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": cfg.num_warps, "maxnreg": GLUON_MAXNREG}
-    else:
-        src = ASTSource(fn=module.coda_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    backend = backend_of(spec.backend)
+    src = backend.ast_source(fn=module.coda_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": cfg.num_warps, **backend.launch_options(cfg)}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     meta = compiled.metadata
     return AotResult(ptx=compiled.asm["ptx"], shared=meta.shared, num_warps=meta.num_warps,

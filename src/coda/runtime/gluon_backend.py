@@ -4,8 +4,9 @@ Top to bottom: the configs it runs (`check`, the Config model's rule); its defau
 (`default_config`: the tile, schedule and subtiles measured best on the H200, then the shared code
 budget and fit to the GPU); how the code budget shrinks a config (`epilogue_code`, `budget_step`);
 its resources (`MIN_STAGES` for the fit search, the register split, and `shared_bytes`: the
-epilogue loader's rings, each consumer's store staging, the compiler's scratch); the constexprs
-its kernel takes (`constexprs`).
+epilogue loader's rings, each consumer's store staging, the compiler's scratch); what a launch
+and an AOT compile pass its kernel (`STRIDE_ARGS`, `constexprs`, `launch_options`, the TMA boxes'
+`shared_layout`, `ast_source`).
 Shared code reaches this module through `backends.backend_of("gluon-hopper")`.
 """
 
@@ -187,8 +188,33 @@ def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged
     return ring + loaded + stored + scratch_bytes(graph, cfg) + BARRIER_BYTES
 
 
+STRIDE_ARGS: tuple[str, ...] = ()  # a and b come through TMA descriptors only
+
+
 def constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
     """The constexprs a gluon-hopper kernel takes beyond the tile sizes (the launch and the AOT
     compile pass the same ones)."""
     return {"STAGES": cfg.num_stages, "E_STAGES": cfg.epi_stages, "STAGE_BUFS": cfg.store_buffers, "A_COL": a_col,
             "B_COL": b_col, "CONSUMER_REGS": CONSUMER_REGS, "SPLIT_M": cfg.split_m}
+
+
+def launch_options(cfg: Config) -> dict[str, object]:
+    """Triton's options for the kernel beyond num_warps (the launch and the AOT compile pass the
+    same ones)."""
+    return {"maxnreg": MAXNREG}
+
+
+def shared_layout(block: list[int], dtype: str) -> object:
+    """The NVMMA shared layout of a Gluon TMA box (what the kernel's buffers are allocated with);
+    `dtype` is coda's dtype name (validate.OPERAND_DTYPES), which Gluon's dtypes share."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
+
+
+def ast_source(**fields: object) -> object:
+    """What an AOT compile (`aot.compile_hopper`) hands triton.compile: the kernel, its signature,
+    constexprs and attributes in `fields`."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource(**fields)

@@ -17,10 +17,8 @@ from ..ir.nodes import ReduceOutput, StoreOutput
 from ..ir.primitives import REDUCTIONS
 from ..ir.types import Kind
 from . import compile_log
+from .backends import backend_of
 from .config import Config
-from .gluon_backend import constexprs as gluon_constexprs
-from .gluon_backend import MAXNREG as GLUON_MAXNREG
-from .tma import gluon_layout
 from .validate import OPERAND_DTYPES, Call
 
 
@@ -45,18 +43,18 @@ class _Layout:
         return d
 
 
-def _layout(shape: list[int], strides: list[int], block: list[int], dtype: torch.dtype, gluon: bool) -> _Layout:
-    shared = gluon_layout(block, OPERAND_DTYPES[dtype]) if gluon else None
+def _layout(shape: list[int], strides: list[int], block: list[int], dtype: torch.dtype, backend: str) -> _Layout:
+    shared = backend_of(backend).shared_layout(block, OPERAND_DTYPES[dtype])
     return _Layout(shape, strides, block, shared)
 
 
-def _operand_layout(t: torch.Tensor, mode: str, block_rows: int, block_cols: int, gluon: bool = False) -> _Layout | None:
+def _operand_layout(t: torch.Tensor, mode: str, block_rows: int, block_cols: int, backend: str) -> _Layout | None:
     """How the template reads a GEMM operand: row-major TMA, TMA of its transpose (base is the
     same memory), or pointers (None)."""
     if mode == "tma_row":
-        return _layout([t.shape[0], t.shape[1]], [t.stride(0), 1], [block_rows, block_cols], t.dtype, gluon)
+        return _layout([t.shape[0], t.shape[1]], [t.stride(0), 1], [block_rows, block_cols], t.dtype, backend)
     if mode == "tma_col":
-        return _layout([t.shape[1], t.shape[0]], [t.stride(1), 1], [block_cols, block_rows], t.dtype, gluon)
+        return _layout([t.shape[1], t.shape[0]], [t.stride(1), 1], [block_cols, block_rows], t.dtype, backend)
     return None
 
 
@@ -129,23 +127,18 @@ class Plan:
         graph, m, n, k = call.graph, call.m, call.n, call.k
         tiles_m, tiles_n = -(-m // cfg.block_m), -(-n // cfg.block_n)
         grid = (min(programs, tiles_m * tiles_n),)
-        gluon = spec.backend == "gluon-hopper"
+        backend = backend_of(spec.backend)
         static: dict[str, object] = {
             "M": m, "N": n, "K": k,
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GROUP_M": cfg.group_m, "NUM_SMS": grid[0], "EPI_N": cfg.epi_n, "num_warps": cfg.num_warps,
         }
-        if gluon:
-            static.update(gluon_constexprs(cfg, spec.a_load == "tma_col", spec.b_load == "tma_col"))
-            static["maxnreg"] = GLUON_MAXNREG
-            layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k, True)
-            layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n, True)
-        else:
-            static.update({"stride_am": call.a.stride(0), "stride_ak": call.a.stride(1),
-                           "stride_bk": call.b.stride(0), "stride_bn": call.b.stride(1),
-                           "FLATTEN": cfg.flatten, "num_stages": cfg.num_stages})
-            layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k)
-            layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n)
+        strides = (call.a.stride(0), call.a.stride(1), call.b.stride(0), call.b.stride(1))
+        static.update(zip(backend.STRIDE_ARGS, strides))
+        static.update(backend.constexprs(cfg, spec.a_load == "tma_col", spec.b_load == "tma_col"))
+        static.update(backend.launch_options(cfg))
+        layout_a = _operand_layout(call.a, spec.a_load, cfg.block_m, cfg.block_k, spec.backend)
+        layout_b = _operand_layout(call.b, spec.b_load, cfg.block_k, cfg.block_n, spec.backend)
         forms = {f.name: f for f in spec.operands}
         operands = []
         for s in graph.operands:
@@ -155,7 +148,7 @@ class Plan:
             if s.kind == Kind.TILE:
                 static[names[1]], static[names[2]] = v.stride(0), v.stride(1)
                 if s.name in spec.tma_tiles:
-                    layout = _operand_layout(v, "tma_row", cfg.epi_m, int(cfg.epi_n * s.frac_width), gluon)
+                    layout = _operand_layout(v, "tma_row", cfg.epi_m, int(cfg.epi_n * s.frac_width), spec.backend)
             elif s.kind != Kind.SCALAR:
                 static[names[1]] = v.stride(0)
             operands.append((s.name, names[0], forms[s.name].dtype is None and s.kind == Kind.SCALAR, layout))
@@ -167,7 +160,8 @@ class Plan:
                 strides = _out_strides(call, o.name, shape)
                 static[names[1]], static[names[2]] = strides
                 width = graph.node(o.x).frac_width
-                layout = (_layout(list(shape), strides, [cfg.epi_m, int(cfg.epi_n * width)], call.out_dtype(o), gluon)
+                layout = (_layout(list(shape), strides, [cfg.epi_m, int(cfg.epi_n * width)], call.out_dtype(o),
+                                  spec.backend)
                           if o.name in spec.tma_stores else None)
                 outs.append(_Out(o, names, shape, call.out_dtype(o), layout=layout))
             elif o.group is not None:

@@ -1,4 +1,4 @@
-"""When a tensor can move through TMA, and the shared-memory layouts Gluon's descriptors use."""
+"""When a tensor can move through TMA."""
 
 from __future__ import annotations
 
@@ -50,11 +50,3 @@ def tile_ok(call: Call, name: str, cfg: Config) -> bool:
     spec = next(s for s in call.graph.operands if s.name == name)
     t = call.operands[name]
     return t.dtype != torch.bool and box_ok(cfg, cfg.epi_n * spec.frac_width, t.element_size()) and tma_ok(t, 1)
-
-
-def gluon_layout(block: list[int], dtype: str) -> object:
-    """The NVMMA shared layout of a Gluon TMA box (what the kernel's buffers are allocated with);
-    `dtype` is coda's dtype name (validate.OPERAND_DTYPES), which Gluon's dtypes share."""
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))

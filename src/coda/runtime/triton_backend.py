@@ -5,8 +5,9 @@ Top to bottom: the configs it runs (`check`, the Config model's rule); its defau
 robust, then the shared code budget and fit to the GPU); how the code budget shrinks a config
 (`epilogue_code`, `budget_step`); its resources (`MIN_STAGES` for the fit search, and
 `shared_bytes`: one staging subtile per TMA-moved tile, the compiler's scratch, the ring freed
-for the epilogue when the tile loop is not flattened). Triton runs every program, on any GPU and
-under the interpreter. Shared code reaches this module through `backends.backend_of("triton")`.
+for the epilogue when the tile loop is not flattened); what a launch and an AOT compile pass its
+kernel (`STRIDE_ARGS`, `constexprs`, `launch_options`, `shared_layout`, `ast_source`). Triton runs
+every program, on any GPU and under the interpreter. Shared code reaches this module through `backends.backend_of("triton")`.
 """
 
 from __future__ import annotations
@@ -117,3 +118,31 @@ def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged
     if cfg.flatten:
         return ring + stored + epilogue + BARRIER_BYTES
     return stored + max(ring, epilogue) + BARRIER_BYTES
+
+
+STRIDE_ARGS = ("stride_am", "stride_ak", "stride_bk", "stride_bn")  # a and b may be read through pointers
+
+
+def constexprs(cfg: Config, a_col: bool, b_col: bool) -> dict[str, object]:
+    """The constexprs a Triton kernel takes beyond the tile sizes (the launch and the AOT compile
+    pass the same ones); a's and b's layouts (`a_col`, `b_col`) reach it as strides."""
+    return {"FLATTEN": cfg.flatten}
+
+
+def launch_options(cfg: Config) -> dict[str, object]:
+    """Triton's options for the kernel beyond num_warps (the launch and the AOT compile pass the
+    same ones)."""
+    return {"num_stages": cfg.num_stages}
+
+
+def shared_layout(block: list[int], dtype: str) -> None:
+    """A Triton TMA box carries no shared layout (the compiler picks its own)."""
+    return None
+
+
+def ast_source(**fields: object) -> object:
+    """What an AOT compile (`aot.compile_hopper`) hands triton.compile: the kernel, its signature,
+    constexprs and attributes in `fields`."""
+    from triton.compiler import ASTSource
+
+    return ASTSource(**fields)

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 import coda
-from coda.runtime import autotune, choose, launch
+from coda.runtime import autotune, gluon_backend, launch
 from coda.runtime.config import Config, default_config, min_block_n
 from coda.runtime.resources import HOPPER_SMEM_BYTES, misfit
-from coda.runtime.specialize import call_smem_bytes
+from coda.runtime.specialize import call_smem_bytes, smem_of
 from coda.runtime.validate import validate
 from aot_worker import AotWorker, script
 from conftest import GPU, assert_close, randn
@@ -52,7 +52,7 @@ def test_the_default_of_the_h200_case_fits_and_says_it_is_smaller(caplog: pytest
     old = Config(**OLD_DEFAULT)
     assert misfit(old, call_smem_bytes(call, old)) is not None
     with caplog.at_level(logging.DEBUG, logger="coda"):
-        cfg = default_config(call.graph, "bfloat16", False, M, N, K, "triton", choose.smem_of(call))
+        cfg = default_config(call.graph, "bfloat16", False, M, N, K, "triton", smem_of(call))
     assert cfg.epi_n >= 256 and misfit(cfg, call_smem_bytes(call, cfg)) is None
     assert call_smem_bytes(call, cfg) <= HOPPER_SMEM_BYTES
     assert "does not fit the GPU" in caplog.text and "running 128x256x64, 3 stages" in caplog.text
@@ -61,25 +61,25 @@ def test_the_default_of_the_h200_case_fits_and_says_it_is_smaller(caplog: pytest
 def test_when_nothing_fits_the_error_names_the_reduction_and_groups_that_would() -> None:
     call = cpu_call(grouped_max(4096), n=8192)
     with pytest.raises(ValueError, match=r"reduction 'm' sums groups of 4096 columns.*group <= \d+ for 'm'") as info:
-        default_config(call.graph, "bfloat16", False, M, 8192, K, "triton", choose.smem_of(call))
+        default_config(call.graph, "bfloat16", False, M, 8192, K, "triton", smem_of(call))
     group = int(re.search(r"group <= (\d+)", str(info.value)).group(1))
     smaller = cpu_call(grouped_max(group), n=8192)
-    cfg = default_config(smaller.graph, "bfloat16", False, M, 8192, K, "triton", choose.smem_of(smaller))
+    cfg = default_config(smaller.graph, "bfloat16", False, M, 8192, K, "triton", smem_of(smaller))
     assert misfit(cfg, call_smem_bytes(smaller, cfg)) is None
     with pytest.raises(ValueError):
         bigger = cpu_call(grouped_max(2 * group), n=8192)
-        default_config(bigger.graph, "bfloat16", False, M, 8192, K, "triton", choose.smem_of(bigger))
+        default_config(bigger.graph, "bfloat16", False, M, 8192, K, "triton", smem_of(bigger))
 
 
 def test_gluon_declines_wide_groups_in_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(choose.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    reason = choose.gluon_reason(cpu_call(grouped_max(512)), False)
+    monkeypatch.setattr(gluon_backend.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    reason = gluon_backend.unsupported(cpu_call(grouped_max(512)), False)
     assert reason is not None and "validation error" not in reason and "pydantic" not in reason
     assert "reduction 'm' sums groups of 512 columns" in reason and "at most 256 columns" in reason
     # groups of 256: a 64x256 tile holds one, and its default fits
     call = cpu_call(grouped_max(256))
-    assert choose.gluon_reason(call, False) is None
-    cfg = default_config(call.graph, "bfloat16", False, M, N, K, "gluon-hopper", choose.smem_of(call))
+    assert gluon_backend.unsupported(call, False) is None
+    cfg = default_config(call.graph, "bfloat16", False, M, N, K, "gluon-hopper", smem_of(call))
     assert misfit(cfg, call_smem_bytes(call, cfg)) is None
 
 
@@ -94,7 +94,7 @@ def test_the_fitted_default_runs_correctly() -> None:
     default raised OutOfResources), and by the interpreter at a small shape on the CPU."""
     ep = grouped_max(256)
     call = cpu_call(ep)
-    cfg = default_config(call.graph, "bfloat16", False, M, N, K, "triton", choose.smem_of(call))
+    cfg = default_config(call.graph, "bfloat16", False, M, N, K, "triton", smem_of(call))
     m, n, k = (M, N, K) if GPU else (24, 512, 40)
     torch.manual_seed(0)
     a, b, t = randn(m, k).bfloat16(), randn(k, n).bfloat16(), randn(m, n).bfloat16()
@@ -111,10 +111,9 @@ WORKER = script('''
     import coda
     from coda.codegen import unsupported
     from coda.ir.types import Kind
-    from coda.runtime import choose
     from coda.runtime.aot import compile_call
     from coda.runtime.config import Config, default_config
-    from coda.runtime.specialize import call_smem_bytes, make_spec, spec_fields
+    from coda.runtime.specialize import call_smem_bytes, make_spec, smem_of, spec_fields
     from coda.runtime.validate import validate
 
 
@@ -133,7 +132,7 @@ WORKER = script('''
         if isinstance(req["config"], dict):
             cfg = Config(**req["config"])
         else:
-            cfg = default_config(graph, "bfloat16", False, m, n, k, req["config"], choose.smem_of(call))
+            cfg = default_config(graph, "bfloat16", False, m, n, k, req["config"], smem_of(call))
         spec = make_spec(spec_fields(call, False, cfg))
         reply = {"config": cfg.model_dump(), "estimate": call_smem_bytes(call, cfg),
                  "tma_tiles": list(spec.tma_tiles), "tma_stores": list(spec.tma_stores)}

@@ -6,19 +6,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Callable
 
 import torch
 import triton
 
 from .. import __version__
-from ..codegen import unsupported
 from ..ir.primitives import BACKENDS
 from . import autotune
+from .backends import backend_of
 from .config import Config, default_config
 from .device import device_name
 from .fingerprint import GENERATOR
-from .specialize import call_smem_bytes, make_spec, spec_fields
+from .specialize import make_spec, smem_of, spec_fields
 from .validate import Call
 
 log = logging.getLogger("coda")
@@ -33,25 +32,6 @@ def backend_setting() -> str:
     return value
 
 
-def gluon_reason(call: Call, interpret: bool) -> str | None:
-    """Why gluon-hopper cannot run this call (None: it can)."""
-    if interpret:
-        return "Gluon kernels do not run under Triton's interpreter"
-    major, minor = torch.cuda.get_device_capability(call.a.device)
-    if (major, minor) != (9, 0):
-        return f"the GPU is sm_{major}{minor}; gluon-hopper is for sm_90"
-    try:
-        cfg = default_config(call.graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper", smem_of(call))
-    except ValueError as exc:  # no gluon-hopper config holds its groups or fits the GPU: the sentence says which
-        return str(exc)
-    return unsupported(call.graph, make_spec(spec_fields(call, False, cfg)))
-
-
-def smem_of(call: Call) -> Callable[[Config], int]:
-    """The shared memory of this call's kernel under a config (what the default must fit)."""
-    return lambda cfg: call_smem_bytes(call, cfg)
-
-
 def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
     """The backends this call may run on, preferred first; says (debug log) why not Gluon.
 
@@ -63,7 +43,7 @@ def backends_for(call: Call, interpret: bool) -> tuple[str, ...]:
     setting = backend_setting()
     if setting == "triton":
         return ("triton",)
-    reason = gluon_reason(call, interpret)
+    reason = backend_of("gluon-hopper").unsupported(call, interpret)
     if reason is None:
         if setting == "gluon-hopper":
             return ("gluon-hopper",)

@@ -1,13 +1,14 @@
 """The gluon-hopper backend: everything particular to it, in the order a call meets it.
 
-Top to bottom: the configs it runs (`check`, the Config model's rule); its default config
-(`default_config`: the tile, schedule and subtiles measured best on the H200, then the shared code
-budget and fit to the GPU); how the code budget shrinks a config (`epilogue_code`, `budget_step`);
-its resources (`MIN_STAGES` for the fit search, the register split, and `shared_bytes`: the
-epilogue loader's rings, each consumer's store staging, the compiler's scratch); what a launch
-and an AOT compile pass its kernel (`STRIDE_ARGS`, `constexprs`, `launch_options`, the TMA boxes'
-`shared_layout`, `ast_source`).
-Shared code reaches this module through `backends.backend_of("gluon-hopper")`.
+Top to bottom: whether it can run a call (`unsupported`: an sm_90 GPU, a default config that holds
+the program's groups and fits, the codegen's own limits); the configs it runs (`check`, the Config
+model's rule); its default config (`default_config`: the tile, schedule and subtiles measured best
+on the H200, then the shared code budget and fit to the GPU); how the code budget shrinks a config
+(`epilogue_code`, `budget_step`); its resources (`MIN_STAGES` for the fit search, the register
+split, and `shared_bytes`: the epilogue loader's rings, each consumer's store staging, the
+compiler's scratch); what a launch and an AOT compile pass its kernel (`STRIDE_ARGS`,
+`constexprs`, `launch_options`, the TMA boxes' `shared_layout`, `ast_source`). Shared code
+reaches this module through `backends.backend_of("gluon-hopper")`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,31 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Callable, Sequence
 
+import torch
 from pydantic import ValidationError
 
+from .. import codegen
 from ..codegen.size import code_size
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from .config import GLUON_CONSUMERS, Config, fit_default, min_block_n
 from .resources import BARRIER_BYTES, HOPPER_SMEM_BYTES, Staged, ring_bytes, smem_bytes, staging_bytes
+from .specialize import make_spec, smem_of, spec_fields
+from .validate import Call
+
+
+def unsupported(call: Call, interpret: bool) -> str | None:
+    """Why gluon-hopper cannot run this call (None: it can)."""
+    if interpret:
+        return "Gluon kernels do not run under Triton's interpreter"
+    major, minor = torch.cuda.get_device_capability(call.a.device)
+    if (major, minor) != (9, 0):
+        return f"the GPU is sm_{major}{minor}; gluon-hopper is for sm_90"
+    try:
+        cfg = default_config(call.graph, call.in_dtype, False, call.m, call.n, call.k, smem_of(call))
+    except ValueError as exc:  # no gluon-hopper config holds its groups or fits the GPU: the sentence says which
+        return str(exc)
+    return codegen.unsupported(call.graph, make_spec(spec_fields(call, False, cfg)))
 
 
 def check(cfg: Config) -> None:

@@ -14,6 +14,7 @@ from ..codegen import generate
 from ..ir.graph import Graph
 from ..ir.trace import trace
 from . import autotune, choose
+from .backends import backend_of
 from .cache import stats
 from .config import Config, check_config, default_config
 from .device import interpreting, num_programs
@@ -21,7 +22,7 @@ from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
 from .resources import HOPPER_SMEM_BYTES
 from . import guard
-from .specialize import call_smem_bytes, kernel_for, specialize
+from .specialize import call_smem_bytes, kernel_for, smem_of, specialize
 from .threads import build_lock
 from .validate import Call, validate
 
@@ -145,7 +146,7 @@ def source(graph: Graph, a: object, b: object, operands: Mapping[str, object], o
     interpret = interpreting()
     call = validate(graph, a, b, operands, out, interpret)
     backend = choose.backends_for(call, interpret)[0]
-    cfg = default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k, backend, choose.smem_of(call))
-    reason = choose.gluon_reason(call, interpret)
+    cfg = default_config(graph, call.in_dtype, interpret, call.m, call.n, call.k, backend, smem_of(call))
+    reason = backend_of("gluon-hopper").unsupported(call, interpret)
     why = "" if backend == "gluon-hopper" else f": {reason or 'measured faster for this kind of epilogue'}"
     return f"# coda backend: {backend}{why}\n" + generate(graph, specialize(call, interpret, cfg))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..codegen import OperandForm, Specialization
@@ -38,6 +40,11 @@ def _staging(call: Call, cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...],
 def call_smem_bytes(call: Call, cfg: Config) -> int:
     """Shared memory of the kernel this call runs with `cfg` on a GPU."""
     return _staging(call, cfg)[2]
+
+
+def smem_of(call: Call) -> Callable[[Config], int]:
+    """The shared memory of this call's kernel under a config (what the default must fit)."""
+    return lambda cfg: call_smem_bytes(call, cfg)
 
 
 def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:

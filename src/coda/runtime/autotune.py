@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..ir.graph import Graph
 from ..ir.nodes import PairNode, StoreOutput
+from .backends import backend_of
 from .cache import atomic_write, cache_dir
 from .env import env_flag
 from .config import Config, check_config, default_config, min_block_n
@@ -100,52 +101,16 @@ def mode() -> str:
 
 
 def config_space(in_dtype: str, backends: tuple[str, ...] = ("triton",)) -> list[Config]:
-    """Round-one Hopper candidates (tile, warps, stages) of each backend; round two varies the options."""
-    space = _gluon_space() if "gluon-hopper" in backends else []
-    return space + (_triton_space(in_dtype) if "triton" in backends else [])
-
-
-def _gluon_space() -> list[Config]:
-    """gluon-hopper: 128x128 or 64x256 per consumer (two accumulators must fit the registers),
-    ring depth, epilogue subtiles (register slices of the accumulator); ping-pong, or both
-    consumers on one 128x256 tile (cooperative: fewer operand bytes per FLOP, the epilogue not
-    hidden)."""
-    # The H200 sweep at template v2 (bench/results/block_kernels_sweep_2fa4523.md): 128x128 with
-    # a 4-slot ring and 32-column subtiles wins or ties nearly everywhere; 3 slots lose 20-40%.
-    tiles = [(128, 128, 64, 4, 4, False), (128, 128, 64, 4, 2, False), (128, 128, 64, 5, 4, False),
-             (128, 128, 64, 4, 1, False), (64, 256, 64, 4, 4, False), (128, 128, 128, 3, 4, False),
-             (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, True)]
-    return [Config(backend="gluon-hopper", block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=4, num_stages=s,
-                   subtile=sub, cooperative=coop) for bm, bn, bk, s, sub, coop in tiles]
-
-
-def _triton_space(in_dtype: str) -> list[Config]:
-    if in_dtype == "float32":  # IEEE fp32 dot runs on FMA units: small tiles only
-        shapes = [(64, 64, 32, 4), (64, 128, 32, 4), (128, 64, 32, 4), (128, 128, 32, 8)]
-        stages = (2, 3)
-        return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s)
-                for (bm, bn, bk, w), s in itertools.product(shapes, stages)]
-    # bf16/fp16: the tiles that won on the H200 sweep (bench/results/sweep), and their neighbours;
-    # 128x256 also with the epilogue in 128- and 64-column subtiles (heavy epilogues spill without:
-    # sm_90 compiles of the SwiGLU- and RMSNorm-backward epilogues).
-    tiles = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 256, 64, 8, 3, 2), (128, 256, 64, 8, 3, 4),
-             (128, 128, 64, 8, 4, 1),
-             (128, 128, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1), (64, 128, 64, 4, 4, 1),
-             (64, 64, 64, 4, 3, 1)]
-    return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s, subtile=sub)
-            for bm, bn, bk, w, s, sub in tiles]
+    """Round-one Hopper candidates (tile, warps, stages) of each backend (its module's `space`),
+    gluon-hopper's first; round two varies the options."""
+    return [cfg for name in ("gluon-hopper", "triton") if name in backends for cfg in backend_of(name).space(in_dtype)]
 
 
 def option_variants(cfg: Config) -> list[Config]:
     """Round two: the template options (flattened tile loop, TMA stores, epilogue subtiles, and on
-    gluon-hopper the epilogue as one loop over its subtiles) on a good tile."""
-    gluon = cfg.backend == "gluon-hopper"
-    if gluon:  # its subtiles are register slices: narrower ones cost no MMA width
-        subtiles = tuple(sub for sub in (2, 4, 8) if cfg.block_n // sub >= 16)
-    else:
-        subtiles = (1, 2) if cfg.block_n >= 128 else (1,)
-    flattens = (False,) if gluon else (False, True)
-    loops = (False, True) if gluon else (False,)
+    gluon-hopper the epilogue as one loop over its subtiles) on a good tile, each as its backend
+    tries it (its module's `options`)."""
+    flattens, subtiles, loops = backend_of(cfg.backend).options(cfg)
     return [
         cfg.model_copy(update={"flatten": f, "tma_store": t, "subtile": sub, "epilogue_loop": loop})
         for f, t, sub, loop in itertools.product(flattens, (False, True), subtiles, loops)
@@ -223,7 +188,7 @@ def measure(fn: Callable[[], object]) -> float:
 
 def label(cfg: Config) -> str:
     """A config in a few words, for progress lines and `coda tune`'s report."""
-    return (f"{'gluon ' if cfg.backend == 'gluon-hopper' else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"{backend_of(cfg.backend).LABEL}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             f"{' flat' if cfg.flatten else ''}{' tma-store' if cfg.tma_store else ''}"
             f"{f' sub{cfg.subtile}' if cfg.subtile > 1 else ''}{f' group{cfg.group_m}' if cfg.group_m != 8 else ''}"
             f"{' loop' if cfg.epilogue_loop else ''}{' coop' if cfg.cooperative else ''}")

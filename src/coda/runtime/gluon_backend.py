@@ -7,8 +7,9 @@ on the H200, then the shared code budget and fit to the GPU); how the code budge
 (`epilogue_code`, `budget_step`); its resources (`MIN_STAGES` for the fit search, the register
 split, and `shared_bytes`: the epilogue loader's rings, each consumer's store staging, the
 compiler's scratch); what a launch and an AOT compile pass its kernel (`STRIDE_ARGS`,
-`constexprs`, `launch_options`, the TMA boxes' `shared_layout`, `ast_source`). Shared code
-reaches this module through `backends.backend_of("gluon-hopper")`.
+`constexprs`, `launch_options`, the TMA boxes' `shared_layout`, `ast_source`); its tuning space
+(`space`, `options`, `LABEL`). Shared code reaches this module through
+`backends.backend_of("gluon-hopper")`.
 """
 
 from __future__ import annotations
@@ -237,3 +238,27 @@ def ast_source(**fields: object) -> object:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     return GluonASTSource(**fields)
+
+
+def space(in_dtype: str) -> list[Config]:
+    """The tuner's round-one candidates (bf16 and fp16 alike): 128x128 or 64x256 per consumer
+    (two accumulators must fit the registers), ring depth, epilogue subtiles (register slices of
+    the accumulator); ping-pong, or both consumers on one 128x256 tile (cooperative: fewer operand
+    bytes per FLOP, the epilogue not hidden)."""
+    # The H200 sweep at template v2 (bench/results/block_kernels_sweep_2fa4523.md): 128x128 with
+    # a 4-slot ring and 32-column subtiles wins or ties nearly everywhere; 3 slots lose 20-40%.
+    tiles = [(128, 128, 64, 4, 4, False), (128, 128, 64, 4, 2, False), (128, 128, 64, 5, 4, False),
+             (128, 128, 64, 4, 1, False), (64, 256, 64, 4, 4, False), (128, 128, 128, 3, 4, False),
+             (128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, True)]
+    return [Config(backend="gluon-hopper", block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=4, num_stages=s,
+                   subtile=sub, cooperative=coop) for bm, bn, bk, s, sub, coop in tiles]
+
+
+def options(cfg: Config) -> tuple[tuple[bool, ...], tuple[int, ...], tuple[bool, ...]]:
+    """The tuner's round-two choices of flatten, subtile and epilogue_loop on a good tile
+    (`autotune.option_variants`): no flattened loop; its subtiles are register slices, so narrower
+    ones cost no MMA width; the epilogue unrolled and as one loop."""
+    return (False,), tuple(sub for sub in (2, 4, 8) if cfg.block_n // sub >= 16), (False, True)
+
+
+LABEL = "gluon "  # how the tuner's progress lines and `coda tune`'s report name its configs

@@ -6,12 +6,14 @@ robust, then the shared code budget and fit to the GPU); how the code budget shr
 (`epilogue_code`, `budget_step`); its resources (`MIN_STAGES` for the fit search, and
 `shared_bytes`: one staging subtile per TMA-moved tile, the compiler's scratch, the ring freed
 for the epilogue when the tile loop is not flattened); what a launch and an AOT compile pass its
-kernel (`STRIDE_ARGS`, `constexprs`, `launch_options`, `shared_layout`, `ast_source`). Triton runs
-every program, on any GPU and under the interpreter. Shared code reaches this module through `backends.backend_of("triton")`.
+kernel (`STRIDE_ARGS`, `constexprs`, `launch_options`, `shared_layout`, `ast_source`); its tuning
+space (`space`, `options`, `LABEL`). Triton runs every program, on any GPU and under the
+interpreter. Shared code reaches this module through `backends.backend_of("triton")`.
 """
 
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 from typing import Callable, Sequence
 
@@ -146,3 +148,30 @@ def ast_source(**fields: object) -> object:
     from triton.compiler import ASTSource
 
     return ASTSource(**fields)
+
+
+def space(in_dtype: str) -> list[Config]:
+    """The tuner's round-one candidates: tile, warps, stages (and subtiles of wide tiles)."""
+    if in_dtype == "float32":  # IEEE fp32 dot runs on FMA units: small tiles only
+        shapes = [(64, 64, 32, 4), (64, 128, 32, 4), (128, 64, 32, 4), (128, 128, 32, 8)]
+        stages = (2, 3)
+        return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s)
+                for (bm, bn, bk, w), s in itertools.product(shapes, stages)]
+    # bf16/fp16: the tiles that won on the H200 sweep (bench/results/sweep), and their neighbours;
+    # 128x256 also with the epilogue in 128- and 64-column subtiles (heavy epilogues spill without:
+    # sm_90 compiles of the SwiGLU- and RMSNorm-backward epilogues).
+    tiles = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 256, 64, 8, 3, 2), (128, 256, 64, 8, 3, 4),
+             (128, 128, 64, 8, 4, 1),
+             (128, 128, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1), (64, 128, 64, 4, 4, 1),
+             (64, 64, 64, 4, 3, 1)]
+    return [Config(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=w, num_stages=s, subtile=sub)
+            for bm, bn, bk, w, s, sub in tiles]
+
+
+def options(cfg: Config) -> tuple[tuple[bool, ...], tuple[int, ...], tuple[bool, ...]]:
+    """The tuner's round-two choices of flatten, subtile and epilogue_loop on a good tile
+    (`autotune.option_variants`): the tile loop flattened or not, two subtiles of a wide tile."""
+    return (False, True), ((1, 2) if cfg.block_n >= 128 else (1,)), (False,)
+
+
+LABEL = ""  # how the tuner's progress lines and `coda tune`'s report name its configs (unmarked)

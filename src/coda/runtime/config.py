@@ -1,6 +1,6 @@
-"""Tile configurations: the model, its checks against a program, and the default choice for a
-call (the autotuner refines these) as far as both backends share it: each backend's own default
-and rules are in its module (`backends`); here the code budget and the fit to the GPU."""
+"""Tile configurations: the model, its checks against a program, and what both backends share
+in choosing a call's default (the autotuner refines these): the code budget and the fit to the
+GPU. Each backend's own rules and default live in its module (`backends.backend_of`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _pow2(x: int) -> bool:
 
 
 class Config(BaseModel):
-    """One kernel launch configuration (block sizes must be powers of two)."""
+    """One kernel launch configuration (block sizes must be powers of two; its backend's module
+    checks the rest: `check`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     backend: Backend = "triton"  # gluon-hopper: warp-specialized (num_warps is then 4: one consumer warpgroup)

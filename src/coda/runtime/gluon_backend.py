@@ -30,6 +30,8 @@ from .specialize import make_spec, smem_of, spec_fields
 from .validate import Call
 
 
+# -- whether it can run a call, the configs it runs, its default -----------------------------------
+
 def unsupported(call: Call, interpret: bool) -> str | None:
     """Why gluon-hopper cannot run this call (None: it can)."""
     if interpret:
@@ -62,8 +64,8 @@ def check(cfg: Config) -> None:
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
                    smem: Callable[[Config], int] | None = None) -> Config:
     """`_default` within the code budget and fitted to the GPU (`config.fit_default`, `smem`
-    measuring a config's shared memory); `interpret` changes nothing (the interpreter runs no
-    Gluon kernel, and nothing asks it to)."""
+    measuring a config's shared memory); `interpret` changes nothing: Gluon kernels do not run
+    under the interpreter (`unsupported`)."""
     size = 4 if in_dtype == "float32" else 2
     return fit_default(graph, _default(graph, size, m, n, k), size, smem)
 
@@ -152,6 +154,8 @@ def _config(**fields: object) -> Config | None:
         return None
 
 
+# -- the code budget -------------------------------------------------------------------------------
+
 def epilogue_code(graph: Graph, cfg: Config) -> float:
     """The epilogue code of graph's kernel under cfg: the consumers each hold a copy of the
     epilogue (one, as a loop, or one a subtile) over EPI_M x EPI_N elements in 128 threads."""
@@ -169,6 +173,8 @@ def budget_step(cfg: Config, need: int) -> dict[str, object] | None:
         return {"subtile": cfg.subtile * 2, "epilogue_loop": True}
     return None
 
+
+# -- resources: what the fit search may lower, registers, shared memory ----------------------------
 
 MIN_STAGES = 2  # the fit search keeps 2+ stages: the loader's ring
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg), the loaders take 40
@@ -208,6 +214,8 @@ def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged
     return ring + loaded + stored + scratch_bytes(graph, cfg) + BARRIER_BYTES
 
 
+# -- what a launch and an AOT compile pass the kernel ----------------------------------------------
+
 STRIDE_ARGS: tuple[str, ...] = ()  # a and b come through TMA descriptors only
 
 
@@ -239,6 +247,8 @@ def ast_source(**fields: object) -> object:
 
     return GluonASTSource(**fields)
 
+
+# -- the tuner -------------------------------------------------------------------------------------
 
 def space(in_dtype: str) -> list[Config]:
     """The tuner's round-one candidates (bf16 and fp16 alike): 128x128 or 64x256 per consumer

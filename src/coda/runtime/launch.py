@@ -1,8 +1,10 @@
 """gemm(): validate, choose a config, fetch the plan (kernel + fixed launch arguments), launch.
 
 Repeated calls with the same tensor metadata reuse a plan; the modules beside this one hold
-the rest: `choose` (backend and config), `specialize` (specialization and kernel lookup),
-`tma` (TMA legality), `plan` (launch arguments, finalize)."""
+the rest: `choose` (backend and config), `config` (the model, the code budget, the fit to the
+GPU), `triton_backend` and `gluon_backend` (what is particular to each backend: whether it can
+run the call, its default, its resources, its launch constants), `specialize` (specialization
+and kernel lookup), `tma` (TMA legality), `plan` (launch arguments, finalize)."""
 
 from __future__ import annotations
 

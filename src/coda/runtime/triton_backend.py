@@ -24,6 +24,8 @@ from .config import Config, fit_default, min_block_n
 from .resources import BARRIER_BYTES, Staged, ring_bytes, staging_bytes
 
 
+# -- the configs it runs, its default --------------------------------------------------------------
+
 def check(cfg: Config) -> None:
     """Raise ValueError where cfg sets an option only gluon-hopper has (the Config model asks)."""
     if cfg.epi_stages != 2 or cfg.store_buffers != 1 or cfg.epilogue_loop or cfg.cooperative:
@@ -60,6 +62,8 @@ def _heavy(graph: Graph) -> bool:
     return stores > 1 or len(graph.outputs) > 2 or any(s.kind.value == "tile" for s in graph.operands)
 
 
+# -- the code budget -------------------------------------------------------------------------------
+
 def epilogue_code(graph: Graph, cfg: Config) -> float:
     """The epilogue code of graph's kernel under cfg: one copy of the epilogue a subtile over
     BLOCK_M x EPI_N elements in its warps, twice when its tile loop is flattened (the pipeliner
@@ -82,6 +86,8 @@ def budget_step(cfg: Config, need: int) -> dict[str, object] | None:
         return {"block_m": cfg.block_m // 2}
     return None
 
+
+# -- resources: what the fit search may lower, shared memory ---------------------------------------
 
 MIN_STAGES = 1  # the fit search may drop the K loop's pipelining
 
@@ -122,6 +128,8 @@ def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged
     return stored + max(ring, epilogue) + BARRIER_BYTES
 
 
+# -- what a launch and an AOT compile pass the kernel ----------------------------------------------
+
 STRIDE_ARGS = ("stride_am", "stride_ak", "stride_bk", "stride_bn")  # a and b may be read through pointers
 
 
@@ -149,6 +157,8 @@ def ast_source(**fields: object) -> object:
 
     return ASTSource(**fields)
 
+
+# -- the tuner -------------------------------------------------------------------------------------
 
 def space(in_dtype: str) -> list[Config]:
     """The tuner's round-one candidates: tile, warps, stages (and subtiles of wide tiles)."""

@@ -42,7 +42,7 @@ from coda.ir.nodes import StoreOutput
 from coda.ops import epilogues as E
 from coda.runtime.aot import hopper_spec
 from coda.runtime.launch import PLAIN
-from coda.runtime.gluon_backend import MAXNREG as GLUON_MAXNREG
+from coda.runtime.gluon_backend import MAXNREG
 from coda.runtime.resources import HOPPER_SMEM_BYTES
 from aot_worker import AotWorker, script
 from test_properties import Program, programs
@@ -253,7 +253,7 @@ def _check_compiled(what: str, result: dict) -> None:
     # three warpgroups: that one, the second consumer, and the loaders (1 warp each, rounded up).
     assert result["cfg_num_warps"] == 4, f"{numbers}: Config.num_warps {result['cfg_num_warps']}"
     assert result["num_warps"] == 3 * 4, f"{numbers}: {result['num_warps']} warps in the compiled kernel"
-    assert result["num_warps"] * 32 * GLUON_MAXNREG <= 65536, f"{numbers}: more registers than the register file"
+    assert result["num_warps"] * 32 * MAXNREG <= 65536, f"{numbers}: more registers than the register file"
     assert 0 < result["shared"] <= HOPPER_SMEM_BYTES, f"{numbers}: {result['shared']} bytes of shared memory"
     assert result["ptxas_logged"], f"{numbers}: no spill line in the ptxas log"
 

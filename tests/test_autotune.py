@@ -471,7 +471,7 @@ def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     import torch
     from coda.ops.epilogues import swiglu_backward
     from coda.runtime.resources import HOPPER_SMEM_BYTES, ring_bytes, staging_bytes
-    from coda.runtime.triton_backend import scratch_bytes as triton_scratch_bytes
+    from coda.runtime import triton_backend
     from coda.runtime.specialize import call_smem_bytes
     from coda.runtime.specialize import spec_fields as _spec_fields
     from coda.runtime.validate import validate
@@ -489,6 +489,6 @@ def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     assert used <= call_smem_bytes(call, cfg) <= HOPPER_SMEM_BYTES
     assert len(tma_stores) < 2
     all_tma = ring_bytes(cfg, 2) + 2 * 128 * 256 * 2 + 128 * 128 * 2
-    scratch = triton_scratch_bytes(swiglu_backward.graph, cfg, False) + BARRIER_BYTES
+    scratch = triton_backend.scratch_bytes(swiglu_backward.graph, cfg, False) + BARRIER_BYTES
     assert autotune.smem_bytes(swiglu_backward.graph, cfg, 2, 2) == all_tma + scratch
     assert "shared memory" in autotune.prune_reason(swiglu_backward.graph, cfg, 2, 2, 8192, 8192)

@@ -29,13 +29,10 @@ from coda.ir.nodes import StoreOutput
 from coda.ir.primitives import BACKENDS, PRIMITIVES, REDUCTIONS
 from coda.ir.types import Kind
 from coda.ops import epilogues as E
-from coda.runtime import autotune, cache, fingerprint
+from coda.runtime import autotune, cache, fingerprint, gluon_backend
 from coda.runtime.aot import hopper_spec
 from coda.runtime.config import GLUON_CONSUMERS, Config, default_config
-from coda.runtime.gluon_backend import COOPERATIVE_MIN_K
-from coda.runtime.gluon_backend import constexprs as gluon_constexprs
-from coda.runtime.gluon_backend import scratch_bytes as gluon_scratch_bytes
-from coda.runtime.gluon_backend import store_bytes, tile_load_bytes
+from coda.runtime.gluon_backend import COOPERATIVE_MIN_K, store_bytes, tile_load_bytes
 from coda.runtime.resources import BARRIER_BYTES, HOPPER_SMEM_BYTES, ring_bytes, staging_bytes
 from coda.runtime.launch import PLAIN
 from coda.runtime.specialize import make_spec, spec_fields
@@ -392,8 +389,8 @@ def test_cooperative_tiles_split_their_rows_between_the_consumers() -> None:
     assert staging_bytes(coop, Fraction(1), 2) == 64 * 32 * 2
     assert tile_load_bytes(coop, Fraction(1), 2) == 2 * coop.epi_stages * 64 * 32 * 2  # a ring per consumer
     assert ring_bytes(coop, 2) == coop.num_stages * (128 + 256) * 64 * 2
-    assert gluon_constexprs(coop, False, True)["SPLIT_M"] == 2
-    assert gluon_constexprs(Config(**GOOD), False, True)["SPLIT_M"] == 1
+    assert gluon_backend.constexprs(coop, False, True)["SPLIT_M"] == 2
+    assert gluon_backend.constexprs(Config(**GOOD), False, True)["SPLIT_M"] == 1
 
 
 @pytest.mark.parametrize("change", [{"epi_stages": 4}, {"store_buffers": 2}, {"epilogue_loop": True},
@@ -422,7 +419,7 @@ def test_gluon_defaults_are_valid_for_every_epilogue(k: int) -> None:
         graph = PLAIN if ep is None else ep.graph
         cfg = default_config(graph, "bfloat16", False, 4096, 4096, k, "gluon-hopper")
         assert cfg.backend == "gluon-hopper" and cfg.num_warps == 4 and not cfg.flatten, name
-        assert ring_bytes(cfg, 2) + gluon_scratch_bytes(graph, cfg) <= HOPPER_SMEM_BYTES, name  # before staging
+        assert ring_bytes(cfg, 2) + gluon_backend.scratch_bytes(graph, cfg) <= HOPPER_SMEM_BYTES, name  # before staging
 
 
 def test_gluon_default_schedule_follows_the_depth() -> None:

@@ -237,6 +237,38 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
         assert rel(f, r) <= 2 * rel(d, r) + 1e-4, f"{name}: flash {rel(f, r):.3g}, bf16 SDPA {rel(d, r):.3g}"
 
 
+def test_sdpa_backward_gets_its_output_gradient_in_its_output_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the GPU test below guards, on the CPU: SDPA stands in as cuDNN lays its output out (token-major
+    under a [B, H, S, hd] view), and the gradient its backward receives has that output's strides, with
+    and without padded queries to zero (a contiguous one made torch 2.11's cuDNN backward wrong)."""
+    from coda.models import attention, masks
+
+    seen = []
+
+    class CudnnLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out: torch.Tensor) -> torch.Tensor:
+            return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            seen.append(grad.stride())
+            return grad
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **kw: CudnnLike.apply(sdpa(*a, **kw)))
+    batch, seq, heads, head_dim = 2, 8, 4, 8
+    pad = torch.ones(batch, seq, dtype=torch.long)
+    pad[1, :3] = 0
+    for padding in (None, pad):
+        q, k, v = (torch.randn(batch * seq, heads, head_dim, requires_grad=True) for _ in range(3))
+        mask = masks.build(batch, seq, q.device, padding=padding, docs=None, window=4)
+        assert (mask.live is not None) == (padding is not None)
+        seen.clear()
+        attention.attend(q, k, v, batch, seq, mask, 0.5).backward(torch.randn(batch * seq, heads * head_dim))
+        assert seen == [CudnnLike.apply(torch.empty(batch, heads, seq, head_dim)).stride()], padding
+
+
 # bf16 attention against fp32: a few bf16 ulps (2^-8) over outputs and q/k/v gradients (2e-3 to 5e-3 seen).
 BF16_ATTENTION = 2 ** -6
 

@@ -4,7 +4,7 @@ drains the queue, and the GPU then idles while Python launches the next kernels)
 line that asked for it.
 
 It says whether a step's time beyond its kernels is host launch time or synchronizations, and where
-they come from. On the H200 at 296fb23, gemma3-1b coda: packed, a 144.5 ms step, 116.1 ms of kernels,
+they come from. On the H200 at 296fb23 (bench/results/step_gaps_296fb23/), gemma3-1b coda: packed, a 144.5 ms step, 116.1 ms of kernels,
 118.9 ms to enqueue, three syncs (two of them the document starts, read once a step since); unpacked,
 153.1 ms, 118.4 ms of kernels and 141.3 ms to enqueue with no sync: host-bound.
 

@@ -20,7 +20,7 @@ a second, full (non-causal) call over those keys (without a window reaching: els
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,37 +75,39 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     return docs
 
 
+def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor | None,
+          docs: torch.Tensor | None, window: int | None, sequences: bool = False) -> AttentionMask | None:
+    """The mask for one window size (None: plain causal attention, SDPA's `is_causal` path), in
+    the sequence form where `sequences` asks for it and the padding allows (module docstring)."""
+    return build_all(batch, seq, device, padding=padding, docs=docs, windows={window}, sequences=sequences)[window]
+
+
 def build_all(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor | None,
               docs: torch.Tensor | None, windows: set[int | None], sequences: bool = False
               ) -> dict[int | None, AttentionMask | None]:
-    """`build`'s mask for each window, the reads of the data they share (document starts, padded
-    runs: a host sync each) made once for all of them."""
-    reads: dict[str, object] = {}
-    return {w: build(batch, seq, device, padding=padding, docs=docs, window=w, sequences=sequences, reads=reads)
-            for w in windows}
+    """`build`'s mask for each window. The sequence form reads the batch (the document starts or the
+    padded runs: a host sync), so it is made once, without a window, and each window takes a copy."""
+    shared: list[AttentionMask | None] = []  # the sequence form, once made (None: the padding refuses it)
+
+    def one(window: int | None) -> AttentionMask | None:
+        if window is not None and window >= seq:
+            window = None
+        if padding is None and docs is None and window is None:
+            return None
+        if sequences and (padding is None or docs is None):
+            if not shared:
+                shared.append(_sequence_form(batch, seq, device, padding, docs))
+            form = shared[0]
+            if form is not None and (window is None or form.tail is None):  # the tail call takes no window
+                return replace(form, window=window)
+        return _boolean(batch, seq, device, padding, docs, window)
+
+    return {w: one(w) for w in windows}
 
 
-def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor | None,
-          docs: torch.Tensor | None, window: int | None, sequences: bool = False,
-          reads: dict[str, object] | None = None) -> AttentionMask | None:
-    """The mask for one window size (None: plain causal attention, SDPA's `is_causal` path), in
-    the sequence form where `sequences` asks for it and the padding allows (module docstring).
-    `reads` keeps what was read from the device for other windows of the same batch."""
-    reads = {} if reads is None else reads
-    if window is not None and window >= seq:
-        window = None
-    if padding is None and docs is None and window is None:
-        return None
-    if sequences and padding is None:
-        if "starts" not in reads:
-            reads["starts"] = _starts(batch, seq, device, docs)
-        return AttentionMask(starts=reads["starts"], longest=seq, window=window)
-    if sequences and docs is None:
-        if "runs" not in reads:
-            reads["runs"] = _unpadded_runs(padding)
-        runs = reads["runs"]
-        if runs is not None and (window is None or all(end == seq for _, end in runs)):
-            return _padded_sequences(batch, seq, device, runs, window)
+def _boolean(batch: int, seq: int, device: torch.device, padding: torch.Tensor | None,
+             docs: torch.Tensor | None, window: int | None) -> AttentionMask:
+    """The boolean form: the [B, 1, S, S] mask, and which queries have no key (module docstring)."""
     idx = torch.arange(seq, device=device)
     allowed = (idx[None, :] <= idx[:, None]).expand(batch, 1, seq, seq)
     if window is not None:
@@ -118,6 +120,16 @@ def build(batch: int, seq: int, device: torch.device, *, padding: torch.Tensor |
         live = allowed.any(-1, keepdim=True)
         allowed = allowed | (~live & (idx[None, :] == idx[:, None]))
     return AttentionMask(allowed, live)
+
+
+def _sequence_form(batch: int, seq: int, device: torch.device, padding: torch.Tensor | None,
+                   docs: torch.Tensor | None) -> AttentionMask | None:
+    """The sequence form without a window: where each document (or row) starts, or, for padding,
+    each row's padded and unpadded runs (None where a row's unpadded tokens are not one run)."""
+    if padding is None:
+        return AttentionMask(starts=_starts(batch, seq, device, docs), longest=seq)
+    runs = _unpadded_runs(padding)
+    return None if runs is None else _padded_sequences(batch, seq, device, runs)
 
 
 def _starts(batch: int, seq: int, device: torch.device, docs: torch.Tensor | None) -> torch.Tensor:
@@ -148,8 +160,7 @@ def _unpadded_runs(padding: torch.Tensor) -> list[tuple[int, int]] | None:
     return [(f, e) if n else (seq, seq) for n, f, e in rows]
 
 
-def _padded_sequences(batch: int, seq: int, device: torch.device, runs: list[tuple[int, int]],
-                      window: int | None) -> AttentionMask:
+def _padded_sequences(batch: int, seq: int, device: torch.device, runs: list[tuple[int, int]]) -> AttentionMask:
     """The sequence form of left and right padding (module docstring): per row the padded run before
     its unpadded run, the unpadded run, the padded run after it, each a sequence; the first zeroed,
     the last recomputed by the tail call."""
@@ -173,4 +184,4 @@ def _padded_sequences(batch: int, seq: int, device: torch.device, runs: list[tup
                     max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:])))
     return AttentionMask(live=None if bool(live.all()) else live.to(device)[:, None, None],
                          starts=torch.tensor(bounds, dtype=torch.int32, device=device), longest=longest,
-                         window=window, tail=tail)
+                         tail=tail)

@@ -378,18 +378,15 @@ def table(rows: list[dict]) -> str:
     transformers variants of the same model, shape, GPU and commit, and the logits check; a skipped row
     says so. GPU and commit columns appear where the rows come from several."""
     peers = ("hf_eager", "hf_liger")
-    lines = ["| model | batch x seq | packed | variant | ms | tokens/s | peak GiB | GEMMs | attention | everything else | "
-             + " | ".join(f"vs {p}" for p in peers) + " | logits vs transformers |", "|" + "---|" * (11 + len(peers))]
+    varying = [c for c in ("gpu", "commit") if len({r[c] for r in rows if r.get(c)}) > 1]
+    columns = [{"gpu": "GPU"}.get(c, c) for c in varying] + [
+        "model", "batch x seq", "packed", "variant", "ms", "tokens/s", "peak GiB", "GEMMs", "attention",
+        "everything else", *(f"vs {p}" for p in peers), "logits vs transformers"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     base = {(key(r), r.get("commit")): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
-    gpus = sorted({r["gpu"] for r in rows if r.get("gpu")})
-    commits = sorted({r["commit"] for r in rows if r.get("commit")})
-    if len(commits) > 1:
-        lines = [lines[0].replace("| model |", "| commit | model |"), lines[1] + "---|"]
-    if len(gpus) > 1:
-        lines = [lines[0].replace("| ", "| GPU | ", 1), lines[1] + "---|"]
     for r in rows:
         model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
-        head = ([r.get("gpu", "-")] if len(gpus) > 1 else []) + ([r.get("commit", "-")] if len(commits) > 1 else []) + [
+        head = [r.get(c, "-") for c in varying] + [
             model, f"{r['batch']} x {r['seq']}", "yes" if r.get("packed") else "no", r["variant"]]
         if "skipped" in r:
             lines.append("| " + " | ".join(head + ["skipped"] + ["-"] * (6 + len(peers))) + " |")

@@ -2,13 +2,15 @@
 epilogue code under `config.CODE_BUDGET`, and sm_90 compiles of the block epilogues, of heavy
 programs like those the H200 found slow, and of random programs take no more than a limit.
 
-The limit is relative to a kernel compiled in the same worker process first (the RoPE epilogue on
-gluon-hopper: 2.5-4.3 s on the 2-core CPU machine, shared with other jobs), so a loaded machine
-slows both alike: every compile must take at most `LIMIT_FACTOR` times as long. The issue's target
-is 15 s on the H200's host: 5x its RoPE compile where that takes 3 s there (to be checked on it).
-Measured here against the RoPE compile: the block epilogues 0.2-1.9x; before the budget,
-`HEAVY_TRIG` on Triton took 86 s (20x; 59 s of it in LLVM's O3) and `TRIG_WIDTH1` on gluon-hopper
-32 s (8x).
+The limit is relative to a kernel compiled in the same worker process (the RoPE epilogue on
+gluon-hopper: 1.1 s on the 2-core CPU machine, idle), so a loaded machine slows both alike: every
+compile must take at most `LIMIT_FACTOR` times as long. The machine is shared with the other test
+worker, whose load comes and goes, so a compile over the limit is timed once more beside a fresh
+RoPE compile (both with an empty Triton cache) and judged by the better of the two ratios: noise
+only slows a compile, and a slow program stays over the limit both times. The issue's target is
+15 s on the H200's host. Measured here against the RoPE compile (idle machine): the issue's
+programs 0.4-3.4x, the block epilogues 0.2-1.9x; before the budget, `HEAVY_TRIG` on Triton took
+86 s (20x then; 59 s of it in LLVM's O3) and `TRIG_WIDTH1` on gluon-hopper 32 s (8x then).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def test_heavy_default_fits_the_budget(monkeypatch: pytest.MonkeyPatch, backend:
 
 # The worker's imports and `handle` (aot_worker.script adds the reply stream and the request loop).
 WORKER = script('''
+    import os
     import time
 
     import torch
@@ -161,6 +164,8 @@ WORKER = script('''
 
 
     def handle(req):
+        if "triton_cache" in req:  # Triton reads its cache directory at each compile
+            os.environ["TRITON_CACHE_DIR"] = req["triton_cache"]
         if "name" in req:
             graph = EPILOGUES[req["name"]]
             dtypes = {s.name: block_dtype(s) for s in graph.operands}
@@ -190,21 +195,30 @@ class Worker:
     """The timing process (aot_worker.AotWorker: TRITON_INTERPRET=0, its own caches), warmed up, with
     the RoPE epilogue's gluon-hopper compile as the unit the limit is a multiple of."""
 
+    UNIT = {"name": "rope", "backend": "gluon-hopper", "shape": [512, 256, 128]}
+
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
         self.proc = AotWorker(tmp, WORKER, TIMEOUT_S)
         self.seconds: dict[str, dict] = {}
         self.ask(name="plain", backend="triton", shape=[256, 256, 128])  # warm-up: imports, first-compile setup
-        self.unit = self.ask(name="rope", backend="gluon-hopper", shape=[512, 256, 128])["seconds"]
+        self.unit = self.ask(**self.UNIT)["seconds"]
 
     def ask(self, **req: object) -> dict:
         return self.proc.request(req, f"{req}: ")
 
     def timed(self, what: str, **req: object) -> None:
-        """Compile, record, and fail when it took more than LIMIT_FACTOR RoPE compiles."""
+        """Compile, record, and fail when it took more than LIMIT_FACTOR RoPE compiles, also when
+        timed again beside a fresh RoPE compile."""
         result = self.seconds[what] = {**self.ask(**req), "unit": self.unit}
-        assert result["seconds"] <= LIMIT_FACTOR * self.unit, (
-            f"{what} ({result['config']}): compiled in {result['seconds']:.1f} s, over {LIMIT_FACTOR} x "
-            f"{self.unit:.2f} s (the RoPE epilogue's compile in this process)")
+        if result["seconds"] > LIMIT_FACTOR * self.unit:
+            cache = str(self.tmp / f"triton_again_{len(self.seconds)}")
+            unit = self.ask(**self.UNIT, triton_cache=cache)["seconds"]
+            again = self.ask(**req, triton_cache=cache)["seconds"]
+            result["again"] = {"seconds": again, "unit": unit}
+            assert again <= LIMIT_FACTOR * unit, (
+                f"{what} ({result['config']}): compiled in {result['seconds']:.1f} s and {again:.1f} s, over "
+                f"{LIMIT_FACTOR} x the RoPE epilogue's compile beside each ({self.unit:.2f} s, {unit:.2f} s)")
 
     def close(self) -> None:
         self.proc.close()

@@ -6,7 +6,9 @@ line that asked for it.
 It says whether a step's time beyond its kernels is host launch time or synchronizations, and where
 they come from. On the H200 at 296fb23 (bench/results/step_gaps_296fb23/), gemma3-1b coda: packed, a 144.5 ms step, 116.1 ms of kernels,
 118.9 ms to enqueue, three syncs (two of them the document starts, read once a step since); unpacked,
-153.1 ms, 118.4 ms of kernels and 141.3 ms to enqueue with no sync: host-bound.
+153.1 ms, 118.4 ms of kernels and 141.3 ms to enqueue with no sync: host-bound. Each row also
+holds a host profile of the enqueue (cProfile, grouped by coda module, torch package and builtin) to
+say where that host time goes.
 
     python bench/tools/step_gaps.py --out DIR [--models gemma3-1b] [--variants coda] [--packed]
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import sys
 import time
 import traceback
@@ -52,6 +56,43 @@ def _sync_sites(step) -> dict[str, int]:
     return dict(sites.most_common(20))
 
 
+def _where(filename: str, function: str) -> str:
+    """A profile entry's group: coda's module, torch's Python package, or the C++ builtin called."""
+    if "/coda/" in filename:
+        return "coda/" + filename.rsplit("/coda/", 1)[1]
+    if "/torch/" in filename:
+        return "torch/" + "/".join(filename.rsplit("/torch/", 1)[1].split("/")[:2])
+    if "/triton/" in filename:
+        return "triton/" + "/".join(filename.rsplit("/triton/", 1)[1].split("/")[:2])
+    if filename == "~":
+        return "builtin " + function[:70]
+    return Path(filename).name
+
+
+def _host_profile(step, steps: int = 3) -> dict:
+    """Where the host's time goes while it enqueues a step (cProfile: its own overhead inflates
+    many small calls, so read the shares, not the milliseconds): self time per group (coda module,
+    torch or triton package, C++ builtin) and the functions with the most self time, per step."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for i in range(steps):
+        step(i)
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    groups: collections.Counter = collections.Counter()
+    functions = []
+    for (filename, line, function), (_, calls, self_s, cumulative_s, _) in stats.items():
+        groups[_where(filename, function)] += self_s * 1e3 / steps
+        where = _where(filename, function) if filename == "~" else f"{_where(filename, function)}:{line} {function}"
+        functions.append((self_s, where, calls // steps, cumulative_s))
+    total = sum(groups.values())
+    top = sorted(functions, reverse=True)[:30]
+    return {"profiled_ms": round(total, 2),
+            "groups_ms": {k: round(v, 3) for k, v in groups.most_common(30)},
+            "functions": [{"where": w, "calls": c, "self_ms": round(s * 1e3 / steps, 3),
+                           "cumulative_ms": round(cu * 1e3 / steps, 3)} for s, w, c, cu in top]}
+
+
 def measure(model_name: str, variant: str, packed: bool, batch: int, seq: int) -> dict:
     import torch
 
@@ -82,7 +123,7 @@ def measure(model_name: str, variant: str, packed: bool, batch: int, seq: int) -
     kernels = train.breakdown(step)
     row = {"model": model_name, "variant": variant, "packed": packed,
            "step_ms": sorted(events)[2], "host_enqueue_ms": sorted(host)[2], "kernel_ms": kernels["total"],
-           "sync_sites": _sync_sites(step)}
+           "sync_sites": _sync_sites(step), "host_profile": _host_profile(step)}
     print(json.dumps(row, indent=1), flush=True)
     return row
 

@@ -49,3 +49,47 @@ def test_unknown_gradient_input_is_refused() -> None:
     with pytest.raises(ValueError, match=r"grads \['bias'\] are not inputs of forward"):
         coda.ops.fused_op("coda_test::bad", forward=_fwd, fake=None, save=None, backward=_bwd, backward_fake=None,
                           grads=("x", "bias"))
+
+
+def _mix_fwd(xs: list[torch.Tensor], scales: list[torch.Tensor], w: torch.Tensor, c: list[float]) -> torch.Tensor:
+    return sum(x * s for x, s in zip(xs, scales)) * w * c[0]  # one output, returned bare
+
+
+def _mix_bwd(dy: torch.Tensor, xs: list[torch.Tensor], scales: list[torch.Tensor], w: torch.Tensor,
+             c: list[float]) -> list[torch.Tensor]:
+    return [dy * w * s * c[0] for s in scales] + [(dy * sum(x * s for x, s in zip(xs, scales))).sum(0) * c[0]]
+
+
+mix = coda.ops.fused_op(
+    "coda_test::mix", forward=_mix_fwd, fake=lambda xs, scales, w, c: torch.empty_like(xs[0]),
+    save=lambda xs, scales, w, c, *, out: (xs, scales, w, c), backward=_mix_bwd,
+    backward_fake=lambda dy, xs, scales, w, c: [torch.empty_like(x) for x in xs] + [torch.empty_like(w)],
+    grads=("xs", "w"))  # scales: a list of tensors without gradients; c: a list of numbers
+
+
+class _Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("how", ["eager", "dispatch_mode", "compiled"])
+def test_list_inputs_get_their_gradients_eager_traced_and_compiled(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Eager calls run the op's functions in one autograd.Function (the custom ops unused: the
+    forward op is made to fail); under a dispatch mode and torch.compile the custom ops run. Each
+    gives plain autograd's gradients, list inputs included."""
+    xs = [torch.randn(5, 7, device=DEVICE, requires_grad=True) for _ in range(2)]
+    scales = [torch.randn(7, device=DEVICE) for _ in range(2)]
+    w = torch.randn(7, device=DEVICE, requires_grad=True)
+    ref = (xs[0] * scales[0] + xs[1] * scales[1]) * w * 0.5
+    dy = torch.randn_like(ref)
+    if how == "eager":
+        monkeypatch.setattr(mix, "forward", lambda *a: pytest.fail("the eager call went through the custom op"))
+        y = mix(xs, scales, w, [0.5, 2.0])
+    elif how == "dispatch_mode":
+        with _Passthrough():
+            y = mix(xs, scales, w, [0.5, 2.0])
+    else:
+        y = torch.compile(mix, fullgraph=True, backend="aot_eager")(xs, scales, w, [0.5, 2.0])
+    torch.testing.assert_close(y, ref)
+    for a, b in zip(torch.autograd.grad(y, (*xs, w), dy), torch.autograd.grad(ref, (*xs, w), dy)):
+        torch.testing.assert_close(a, b)

@@ -74,6 +74,23 @@ def test_rope_permutation_is_a_pair_adjacent_inverse() -> None:
     assert torch.equal(p, w[perm])  # the transposing copy is the documented permutation
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qknorm_columns_and_weight_grads_follow_the_pair_permutation(dtype: torch.dtype) -> None:
+    """The QK-norm epilogue's column operands (views and one concatenation) and the weight
+    gradients back from its columns, exactly as the documented permutation gives them."""
+    heads, kv, hd = 3, 2, 8
+    q, k = torch.randn(hd, dtype=dtype), torch.randn(hd, dtype=dtype)
+    perm = coda.ops.rope_pair_permutation(1, hd)
+    weight, mask = coda.ops.qknorm_columns(q, k, heads, kv)
+    assert weight.dtype == torch.float32 and weight.is_contiguous()
+    assert torch.equal(weight, torch.cat([q.float()[perm].repeat(heads), k.float()[perm].repeat(kv), torch.ones(kv * hd)]))
+    assert torch.equal(mask, torch.arange((heads + 2 * kv) * hd) < (heads + kv) * hd)
+    dw = torch.randn((heads + 2 * kv) * hd)
+    dq, dk = coda.ops.qknorm_weight_grads(dw, heads, kv, hd)
+    assert torch.equal(dq[perm], dw[:heads * hd].view(heads, hd).sum(0))
+    assert torch.equal(dk[perm], dw[heads * hd:(heads + kv) * hd].view(kv, hd).sum(0))
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: coda.ops.interleave_gate_up(torch.zeros(2, 3), torch.zeros(3, 3)), "must be equal 2-D shapes"),
     (lambda: coda.ops.split_gate_up(torch.zeros(3, 3)), r"expected \[2F, D\]"),

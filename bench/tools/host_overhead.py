@@ -1,16 +1,23 @@
-"""Host time of one coda.gemm() call, without the kernel: what a repeated call costs the CPU
-(plan lookup, argument binding, TMA descriptors, output allocation, reduction finalize).
+"""Host time without the kernels: of one coda.gemm() call (plan lookup, argument binding, TMA
+descriptors, output allocation, reduction finalize), and of one decoder layer of a coda model's
+training step (forward and backward: the ops' Python, autograd, torch's own ops on tiny tensors).
 
-When kernels are short (a block at D=2048 runs 13 GEMMs of 0.05-0.8 ms) this time decides
-whether the GPU waits for Python. The kernel launch is replaced by a no-op after each plan is
-built, so it runs anywhere (through the interpreter for the first, real call on a CPU);
-Triton's own launch overhead comes on top on a GPU.
+When kernels are short (a block at D=2048 runs 13 GEMMs of 0.05-0.8 ms; Gemma 3 1B's layers are
+host-bound on the H200, bench/tools/step_gaps.py) this time decides whether the GPU waits for
+Python. The kernel launch is replaced by a no-op after each plan is built, so it runs anywhere
+(through the interpreter for the first, real call on a CPU); Triton's and CUDA's own launch
+overhead comes on top on a GPU. --models: bench/train.py's --tiny models (each family's
+structure) with 1 and 5 layers, every coda and Triton kernel launch a no-op; a layer's time is
+the difference over 4 (the ends cancel).
 
-    python bench/tools/host_overhead.py [--calls 2000]
+    python bench/tools/host_overhead.py [--calls 2000] [--models gemma3-1b,qwen3-1.7b]
 """
 
 import argparse
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -58,10 +65,45 @@ def measure(calls: int) -> dict[str, float]:
     return result
 
 
+def _step_ms(train, name: str, layers: int, steps: int) -> float:
+    """Median milliseconds of a forward+backward of the --tiny model with `layers` layers (CPU)."""
+    family = train.MODELS[name]
+    model = train.build("coda", train.hf_model(family, "cpu", 0, True, layers))
+    batch = train.batches(family.shape(True, layers)["vocab_size"], 2, 16, False, "cpu")[0]
+    times = []
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        model(**batch).loss.backward()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[3:])
+
+
+def per_layer(models: list[str], steps: int) -> dict[str, float]:
+    """Host milliseconds per decoder layer (forward + backward) of each model, kernels stubbed.
+    Stubs stay in place: run it in its own process."""
+    import triton.runtime.interpreter as interpreter
+
+    from coda.runtime.plan import Plan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import train  # bench/train.py: the models measured there
+
+    Plan._launch = lambda self, args: None
+    interpreter.InterpretedFunction.run = lambda self, *args, **kwargs: None
+    torch.set_num_threads(1)
+    return {name: (_step_ms(train, name, 5, steps) - _step_ms(train, name, 1, steps)) / 4 for name in models}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--models", help="comma-separated bench/train.py models: host time per layer instead")
+    p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
+    if args.models:
+        for name, ms in per_layer(args.models.split(","), args.steps).items():
+            print(f"{name:16s} {ms:6.2f} ms per layer, forward + backward (host only)")
+        return
     for name, us in measure(args.calls).items():
         print(f"{name:28s} {us:7.1f} us per call (host only)")
 

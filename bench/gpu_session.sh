@@ -20,6 +20,8 @@
 #   attention     attention over packed documents and sliding windows: SDPA with a mask, flash attention over
 #                 each document, FlexAttention, against SDPA's causal kernel (attention.py), ~3 min
 #   rowwise       the row-pass kernels against torch.add's bandwidth (rowwise_bandwidth.py), ~1 min
+#   step_gaps     a training step's time against its kernels' and the host's, the syncs, a host profile
+#                 (step_gaps.py; STEP_GAPS_ARGS, e.g. "--models gemma3-1b,llama3.2-1b --packed no"), ~1 min a row
 #   timeline      per-tile timelines of the block's fused GEMMs, as generated and with template v4's changes
 #                 undone (timeline.py variants), ~4 min
 # Usage on the device (pydantic travels as wheels in .whl): bash bench/gpu_session.sh STEP...; with no argument
@@ -65,6 +67,8 @@ for step in $steps; do
     profile) timeout $STEP_TIMEOUT python3 bench/tools/profile_ops.py --out "$OUT" 2>&1 | untuned_lines \
                | tee "$OUT/profile.log" | grep -v Warning | tail -80 ;;
     rowwise) timeout $STEP_TIMEOUT python3 bench/tools/rowwise_bandwidth.py --out "$OUT" 2>&1 | tee "$OUT/rowwise.log" | tail -12 ;;
+    step_gaps) timeout $STEP_TIMEOUT python3 bench/tools/step_gaps.py --out "$OUT" ${STEP_GAPS_ARGS:-} 2>&1 \
+      | tee "$OUT/step_gaps.log" | tail -20 ;;
     timeline)
       fused=residual_norm_stats,rmsnorm_backward_residual,rms_rope,rms_swiglu,swiglu_backward_zdz
       { timeout 170 python3 bench/tools/timeline.py --out "$OUT/timeline_v4" --cases $fused
@@ -72,7 +76,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, step_gaps, timeline)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

@@ -124,7 +124,10 @@ def measure(model_name: str, variant: str, packed: bool, batch: int, seq: int) -
     row = {"model": model_name, "variant": variant, "packed": packed,
            "step_ms": sorted(events)[2], "host_enqueue_ms": sorted(host)[2], "kernel_ms": kernels["total"],
            "sync_sites": _sync_sites(step), "host_profile": _host_profile(step)}
-    print(json.dumps(row, indent=1), flush=True)
+    groups = ", ".join(f"{k} {v:.1f}" for k, v in list(row["host_profile"]["groups_ms"].items())[:6])
+    print(f"{model_name} {variant} packed={packed}: step {row['step_ms']:.1f} ms, host enqueue "
+          f"{row['host_enqueue_ms']:.1f} ms, kernels {row['kernel_ms']:.1f} ms, "
+          f"{sum(row['sync_sites'].values())} syncs; host profile (ms a step): {groups}", flush=True)
     return row
 
 

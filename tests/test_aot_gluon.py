@@ -212,6 +212,7 @@ EPILOGUES = _epilogues()
 # (all within HOPPER_SMEM_BYTES = 232448); every Tile operand and tile output moves through TMA.
 SPILLS: dict[str, tuple[int, int]] = {
     "plain": (0, 0),                            # 147720 B shared
+    "accumulate": (0, 0),                       # measured when the LM head's chunked dW came (fp32 Tile in, out)
     "row_scale": (0, 0),                        # 147736
     "scaled": (0, 0),                           # 147736
     "rms_swiglu": (0, 0),                       # 155960

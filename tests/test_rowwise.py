@@ -104,6 +104,17 @@ def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype, n: int) -> No
     torch.testing.assert_close(zdz.double(), (z.double() * dz.double()).sum(-1), rtol=0, atol=bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [0, 7, 4096 + 5])
+def test_scale_cast_rounds_once(dtype: torch.dtype, n: int) -> None:
+    """s * x of fp32 x in a narrower dtype is torch's (x * s).to(dtype): one rounding, s read on
+    the device; ragged last block."""
+    x, s = torch.randn(n, 3, device=DEVICE), torch.tensor(0.37, device=DEVICE)
+    assert torch.equal(rowwise.scale_cast(x, s, dtype), (x * s).to(dtype))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        rowwise.scale_cast(torch.randn(4, 3, device=DEVICE).T, s, dtype)
+
+
 def test_rowwise_rejects_non_matrices() -> None:
     with pytest.raises(ValueError, match="rms_prep: x must be 2-D"):
         rowwise.rms_prep(torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE), 1e-6)

@@ -13,6 +13,16 @@ about 2 ms at 8192 x 128256 x 2048, a second read of the logits about 0.5 ms). B
 the two GEMMs dx = dloss * G @ W and dW = dloss * G.T @ x (dloss as a Scalar epilogue):
 three GEMMs in all, as unfused.
 
+With a large vocabulary, holding G from forward to backward costs more memory than computing
+the gradients in forward: where G would be more than twice an fp32 [V, D] (`chunk_rows`; Gemma
+3's V = 262144 at 2 x 4096 tokens: 4.3 GB in bf16), chunks of tokens whose logits take about one
+fp32 [V, D] (2 * D tokens in bf16) each run the same three GEMMs: dx into an fp32 [tokens, D],
+dW accumulated in place into an fp32 [V, D] (coda.gemm's in-place accumulation); backward scales
+both by dloss and rounds once (`scale_cast`). Memory at the LM head: one chunk's logits, dW and
+dx (2.5 GB for Gemma 3 1B) in place of G; the work: the same GEMMs, plus dW's fp32 reads and
+writes, one a chunk. reduction="none" always keeps G: its upstream gradient is per row, unknown
+in forward.
+
 The options (label smoothing, z-loss, final logit softcapping; docs/ALGEBRA.md 4) are steps in
 that epilogue and that row pass, generated only when set: a call without them runs the plain
 kernels. reduction="none" returns the per-row losses; its backward scales G's rows by the
@@ -27,8 +37,8 @@ import torch
 
 from ..runtime import gemm
 from .custom import fused_op
-from .epilogues import lm_head, row_scale, scaled
-from .rowwise import cross_entropy_
+from .epilogues import accumulate, lm_head, row_scale, scaled
+from .rowwise import cross_entropy_, scale_cast
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -70,48 +80,95 @@ def _smoothed_target(label_smoothing: float, v: int) -> tuple[float, float] | No
     return 1.0 - label_smoothing + label_smoothing / v, label_smoothing / v
 
 
+def chunk_rows(tokens: int, vocab: int, dim: int, itemsize: int) -> int | None:
+    """Rows a chunk when the gradients are computed in forward (module docstring), or None to
+    keep G whole: chunks where G ([tokens, vocab], `itemsize` bytes) would take more than twice
+    an fp32 [vocab, dim]; a chunk's logits take about one (whole 128-row tiles)."""
+    if tokens * itemsize <= 8 * dim:
+        return None
+    return -(-4 * dim // itemsize // 128) * 128
+
+
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
          label_smoothing: float, lse_square_scale: float, softcap: float | None,
-         with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, G) where G is the logits' gradient per unit dloss (empty without with_grad)."""
+         with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, G, dx, dW): G the logits' gradient per unit dloss, or dx and dW (fp32) per unit dloss
+    where they are computed in forward, chunked (empty where not computed)."""
     valid = target != ignore_index
     _check_targets(target, valid, weight.shape[0])
     count = valid.sum()
     smoothing = _smoothed_target(label_smoothing, weight.shape[0])
+    grad, dx, dw = (x.new_empty(0) for _ in range(3))  # three tensors: a custom op's outputs may not alias
     if with_grad:
         weight_row = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
         w = torch.where(valid, weight_row, 0.0).float()  # 0 for ignored rows (also when every row is)
-        grad = gemm(x, weight.T)  # the logits, until cross_entropy_ overwrites them with G
-        lse, target_logit = cross_entropy_(grad, target, w, softcap=softcap, smoothing=smoothing,
-                                           lse_square_scale=lse_square_scale)
+        options = dict(softcap=softcap, smoothing=smoothing, lse_square_scale=lse_square_scale)
+        rows = None if reduction == "none" else chunk_rows(x.shape[0], weight.shape[0], x.shape[1], x.element_size())
+        if rows is None:
+            grad = gemm(x, weight.T)  # the logits, until cross_entropy_ overwrites them with G
+            lse, target_logit = cross_entropy_(grad, target, w, **options)
+        else:
+            lse, target_logit, dx, dw = _grads_in_chunks(x, weight, target, w, rows, options)
     else:
         options = {} if softcap is None else {"softcap": softcap}
         if smoothing is not None:
             options["on_target"], options["off_target"] = smoothing
         epilogue = lm_head(x.dtype, softcap=softcap is not None, smoothing=smoothing is not None)
         stats = gemm(x, weight.T, epilogue, target=target, **options)
-        grad, lse, target_logit = x.new_empty(0), stats["lse"], stats["target_logit"]
+        lse, target_logit = stats["lse"], stats["target_logit"]
     per_row = lse - target_logit  # with smoothing, target_logit is sum_j q_j z_j
     if lse_square_scale:
         per_row = per_row + lse_square_scale * lse * lse
     per_row = torch.where(valid, per_row, 0.0)
     if reduction == "none":
-        return per_row, grad
-    return (per_row.sum() / count if reduction == "mean" else per_row.sum()), grad
+        return per_row, grad, dx, dw
+    return (per_row.sum() / count if reduction == "mean" else per_row.sum()), grad, dx, dw
+
+
+def _grads_in_chunks(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, w: torch.Tensor, rows: int,
+                     options: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, target logit, dx, dW) per unit dloss, `rows` tokens at a time: each chunk's logits
+    become its G in place, then dx's rows = G @ W and dW += G.T @ x's rows, fp32."""
+    tokens, dim = x.shape
+    dx = torch.empty(tokens, dim, dtype=torch.float32, device=x.device)
+    dw = torch.empty(weight.shape, dtype=torch.float32, device=x.device)
+    lse, target_logit = [], []
+    for start in range(0, tokens, rows):
+        part = slice(start, start + rows)
+        g = gemm(x[part], weight.T)
+        stats = cross_entropy_(g, target[part], w[part], **options)
+        gemm(g, weight, out=dx[part])
+        if start == 0:
+            gemm(g.T, x[part], out=dw)
+        else:
+            gemm(g.T, x[part], accumulate, total=dw, out=dw)
+        lse.append(stats[0])
+        target_logit.append(stats[1])
+    return torch.cat(lse), torch.cat(target_logit), dx, dw
 
 
 def _fwd_fake(x, weight, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, with_grad):
-    grad = x.new_empty(x.shape[0], weight.shape[0]) if with_grad else x.new_empty(0)
-    return x.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32), grad
+    grad, dx, dw = (x.new_empty(0) for _ in range(3))  # three tensors: a custom op's outputs may not alias
+    if with_grad:
+        if reduction == "none" or chunk_rows(x.shape[0], weight.shape[0], x.shape[1], x.element_size()) is None:
+            grad = x.new_empty(x.shape[0], weight.shape[0])
+        else:
+            dx, dw = x.new_empty(x.shape, dtype=torch.float32), weight.new_empty(weight.shape, dtype=torch.float32)
+    return x.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32), grad, dx, dw
 
 
 def _save(x, weight, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, with_grad, *, out):
-    return out[1], x, weight
+    return out[1], out[2], out[3], x, weight
 
 
-def _bwd(dloss: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dloss is 0-d ("mean", "sum": a Scalar epilogue) or one value per row ("none": rows of G
-    scale by it; for dW = G.T @ x those rows are the GEMM's K, so x's rows scale instead)."""
+def _bwd(dloss: torch.Tensor, grad: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, x: torch.Tensor,
+         weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dloss is 0-d ("mean", "sum": a Scalar epilogue, or the scale of dx and dW computed in
+    forward) or one value per row ("none": rows of G scale by it; for dW = G.T @ x those rows are
+    the GEMM's K, so x's rows scale instead)."""
+    if dw.dim() == 2:  # computed in forward, chunked
+        s = dloss.float()
+        return scale_cast(dx, s, x.dtype), scale_cast(dw, s, weight.dtype)
     if grad.numel() == 0 and x.shape[0] and weight.shape[0]:
         raise RuntimeError("linear_cross_entropy: backward through a forward that ran without gradients "
                            "(x and weight did not require grad, or grad mode was off)")
@@ -122,7 +179,7 @@ def _bwd(dloss: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, weight: torch
     return gemm(grad, weight, row_scale, rstd=d), gemm(grad.T, (x.float() * d[:, None]).to(x.dtype))
 
 
-def _bwd_fake(dloss, grad, x, weight):
+def _bwd_fake(dloss, grad, dx, dw, x, weight):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
@@ -142,8 +199,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     reduction "none" the fp32 per-row losses of target's shape (0 where ignored).
     As in PyTorch, "mean" over a batch whose targets are all ignore_index is nan.
     Memory: with gradients, the logits' gradient ([tokens, V] in x.dtype) is kept from forward
-    to backward, as the unfused and torch.compile versions keep the logits; without, nothing
-    of that size is allocated.
+    to backward, as the unfused and torch.compile versions keep the logits, unless that is more
+    than twice an fp32 [V, D]: then dx and dW are computed in forward, a chunk of tokens at a
+    time, and kept in fp32 (module docstring); without gradients nothing of that size is allocated.
     """
     _check_options(reduction, label_smoothing, lse_square_scale, softcap)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:

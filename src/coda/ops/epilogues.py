@@ -43,6 +43,13 @@ def scaled(acc, s: Scalar):
 
 
 @epilogue
+def accumulate(acc, total: Tile):
+    """acc + total: with out= the very tensor `total`, a sum kept in place across GEMMs (the LM
+    head's dW over chunks of tokens, fp32)."""
+    return acc + total
+
+
+@epilogue
 def rms_swiglu(acc, rstd: VecM):
     """Section 2: z = acc * rstd (saved for backward), y = silu(gate) * up over interleaved pairs."""
     z = acc * rstd

@@ -12,7 +12,9 @@ need a statistic of a whole row first). One program per row and the row in one b
   (softmax - onehot) * scale in place (with softcap, label smoothing and z-loss as options);
 * `rope_backward`: rotate pairs by -theta and zdz = sum(z * dz) per row;
 * `rope_halves`: transformers' RoPE (rotate_half: the head's first and second halves are the
-  pairs) from its cos/sin rows, and its backward, for every head of a token at once.
+  pairs) from its cos/sin rows, and its backward, for every head of a token at once;
+* `scale_cast`: s * x of an fp32 tensor in a narrower dtype, rounded once (a gradient computed
+  ahead of its upstream scale).
 """
 
 from __future__ import annotations
@@ -219,6 +221,14 @@ def _rope_halves_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HALF, D, stride_xt,
         tl.store(dst + rest, tl.load(src + rest, mask=keep, other=0.0), mask=keep)
 
 
+@triton.jit
+def _scale_cast_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    x = tl.load(x_ptr + offs, mask=keep, other=0.0)
+    tl.store(out_ptr + offs, _cast(x * tl.load(s_ptr), OUT, RNE), mask=keep)
+
+
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -407,3 +417,17 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
 
 __all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
            "rope_backward", "rope_halves"]
+
+
+def scale_cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """s * x in `dtype`, rounded once: x fp32 and contiguous, s a 0-d fp32 tensor (read on the
+    device: no synchronization). One read of x and one write, no fp32 temporary."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or s.shape != () or s.dtype != torch.float32:
+        raise ValueError("scale_cast: x must be contiguous fp32 and s a 0-d fp32 tensor")
+    check_kernel_device("scale_cast: x", x, interpreting())
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.numel():
+        block = 4096
+        _scale_cast_kernel[(triton.cdiv(x.numel(), block),)](x, s, out, x.numel(), BLOCK=block, num_warps=8,
+                                                              **_out_args(dtype))
+    return out

@@ -331,6 +331,7 @@ def test_lm_head_chunks_where_its_gradient_outweighs_an_fp32_weight() -> None:
     assert chunk_rows(8192, 128256, 2048, 2) is None  # Llama 3.2 1B at 2 x 4096: G kept
     assert chunk_rows(8193, 128256, 2048, 2) == 4096
     assert chunk_rows(300, 40, 16, 4) == 128 and chunk_rows(32, 40, 16, 4) is None
+    assert chunk_rows(300, 40, 0, 4) == 128  # no features: still whole tiles of rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -314,6 +314,20 @@ def test_ops_with_no_rows_forward_and_backward() -> None:
             assert got.shape == want.shape and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("tokens", [0, 300])
+def test_linear_cross_entropy_with_no_features(tokens: int) -> None:
+    """D = 0 (every logit 0: the loss is log V), with enough tokens for the chunked gradients: as
+    in PyTorch, loss and gradients (empty dx, zero dW)."""
+    import torch.nn.functional as F
+
+    x, w = randn(tokens, 0).requires_grad_(), randn(40, 0).requires_grad_()
+    t = torch.randint(0, 40, (tokens,), device=DEVICE)
+    loss, ref = coda.ops.linear_cross_entropy(x, w, t), F.cross_entropy(F.linear(x, w).float(), t)
+    torch.testing.assert_close(loss.detach(), ref.detach(), equal_nan=True)
+    for got, want in zip(_grads(loss, (x, w)), _grads(ref, (x, w))):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
 # -- strided and expanded inputs of the row kernels ---------------------------------------------
 
 def _norm_weights(d: int) -> dict:

@@ -86,7 +86,7 @@ def chunk_rows(tokens: int, vocab: int, dim: int, itemsize: int) -> int | None:
     an fp32 [vocab, dim]; a chunk's logits take about one (whole 128-row tiles)."""
     if tokens * itemsize <= 8 * dim:
         return None
-    return -(-4 * dim // itemsize // 128) * 128
+    return max(1, -(-4 * dim // itemsize // 128)) * 128
 
 
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
@@ -211,6 +211,6 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if target.dtype.is_floating_point or target.dtype == torch.bool:
         raise TypeError(f"linear_cross_entropy: target must hold integer class ids, got {target.dtype}")
     with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    loss = _op(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), int(ignore_index), reduction,
+    loss = _op(x.reshape(target.numel(), x.shape[-1]), weight, target.reshape(-1), int(ignore_index), reduction,
                float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap), with_grad)
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -371,6 +373,31 @@ def test_linear_cross_entropy_gradients_in_chunks_compiled() -> None:
     torch.testing.assert_close(loss, eager)
     for a, b in zip(grads(loss, (x, w)), grads(eager, (x, w))):
         torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 400), d=st.sampled_from([8, 16, 24]), v=st.integers(2, 70),
+       dtype=st.sampled_from(DTYPES), reduction=st.sampled_from(["mean", "sum", "none"]),
+       option=st.sampled_from(["plain", *OPTIONS]), ignored=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_linear_cross_entropy_matches_torch_either_side_of_the_chunk_rule(tokens: int, d: int, v: int,
+                                                                         dtype: torch.dtype, reduction: str,
+                                                                         option: str, ignored: float, seed: int) -> None:
+    """Random sizes about the chunk rule (G kept or gradients in forward, one chunk or several),
+    reductions, options, ignored rows and an upstream gradient: loss, dx and dW against fp32 torch."""
+    torch.manual_seed(seed)
+    kw = OPTIONS.get(option, {})
+    x, w = leaf(tokens, d, dtype=dtype), leaf(v, d, dtype=dtype, s=0.5)
+    t = torch.randint(0, v, (tokens,), device=DEVICE)
+    t[torch.rand(tokens, device=DEVICE) < ignored] = -100
+    loss = coda.ops.linear_cross_entropy(x, w, t, reduction=reduction, **kw)
+    ref = reference_ce(x, w, t, reduction=reduction, **kw)
+    torch.testing.assert_close(loss.isnan(), ref.isnan())
+    if ref.isnan().any():  # "mean" with every row ignored
+        return
+    close(loss, ref, dtype, d, "loss")
+    up = torch.randn(ref.shape, device=DEVICE)
+    for name, a, b in zip("xw", grads(loss, (x, w), up), grads(ref, (x, w), up)):
+        close(a, b, dtype, max(d, v), f"d{name}")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -89,6 +89,12 @@ def chunk_rows(tokens: int, vocab: int, dim: int, itemsize: int) -> int | None:
     return max(1, -(-4 * dim // itemsize // 128)) * 128
 
 
+def _chunked(x: torch.Tensor, weight: torch.Tensor, reduction: str) -> int | None:
+    """This call's rows a chunk, or None to keep G ("none" always does: its upstream gradient is
+    per row)."""
+    return None if reduction == "none" else chunk_rows(x.shape[0], weight.shape[0], x.shape[1], x.element_size())
+
+
 def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
          label_smoothing: float, lse_square_scale: float, softcap: float | None,
          with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,7 +109,7 @@ def _fwd(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_ind
         weight_row = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
         w = torch.where(valid, weight_row, 0.0).float()  # 0 for ignored rows (also when every row is)
         options = dict(softcap=softcap, smoothing=smoothing, lse_square_scale=lse_square_scale)
-        rows = None if reduction == "none" else chunk_rows(x.shape[0], weight.shape[0], x.shape[1], x.element_size())
+        rows = _chunked(x, weight, reduction)
         if rows is None:
             grad = gemm(x, weight.T)  # the logits, until cross_entropy_ overwrites them with G
             lse, target_logit = cross_entropy_(grad, target, w, **options)
@@ -150,7 +156,7 @@ def _grads_in_chunks(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
 def _fwd_fake(x, weight, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, with_grad):
     grad, dx, dw = (x.new_empty(0) for _ in range(3))  # three tensors: a custom op's outputs may not alias
     if with_grad:
-        if reduction == "none" or chunk_rows(x.shape[0], weight.shape[0], x.shape[1], x.element_size()) is None:
+        if _chunked(x, weight, reduction) is None:
             grad = x.new_empty(x.shape[0], weight.shape[0])
         else:
             dx, dw = x.new_empty(x.shape, dtype=torch.float32), weight.new_empty(weight.shape, dtype=torch.float32)

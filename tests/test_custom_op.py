@@ -72,11 +72,12 @@ class _Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("how", ["eager", "dispatch_mode", "compiled"])
+@pytest.mark.parametrize("how", ["eager", "dispatch_mode", "compiled", "meta"])
 def test_list_inputs_get_their_gradients_eager_traced_and_compiled(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """Eager calls run the op's functions in one autograd.Function (the custom ops unused: the
-    forward op is made to fail); under a dispatch mode and torch.compile the custom ops run. Each
-    gives plain autograd's gradients, list inputs included."""
+    forward op is made to fail); under a dispatch mode and torch.compile the custom ops run, and
+    on meta tensors their fake kernels. Each gives plain autograd's gradients (on meta: shapes),
+    list inputs included."""
     xs = [torch.randn(5, 7, device=DEVICE, requires_grad=True) for _ in range(2)]
     scales = [torch.randn(7, device=DEVICE) for _ in range(2)]
     w = torch.randn(7, device=DEVICE, requires_grad=True)
@@ -88,8 +89,16 @@ def test_list_inputs_get_their_gradients_eager_traced_and_compiled(monkeypatch: 
     elif how == "dispatch_mode":
         with _Passthrough():
             y = mix(xs, scales, w, [0.5, 2.0])
-    else:
+    elif how == "compiled":
         y = torch.compile(mix, fullgraph=True, backend="aot_eager")(xs, scales, w, [0.5, 2.0])
+    else:
+        monkeypatch.setattr(mix, "_forward_fn", lambda *a: pytest.fail("meta tensors reached the op's function"))
+        meta = [t.detach().to("meta").requires_grad_(t.requires_grad) for t in (*xs, *scales, w)]
+        y = mix(meta[:2], meta[2:4], meta[4], [0.5, 2.0])
+        assert y.shape == ref.shape and y.is_meta
+        assert [g.shape for g in torch.autograd.grad(y, (*meta[:2], meta[4]), dy.to("meta"))] == [
+            t.shape for t in (*xs, w)]
+        return
     torch.testing.assert_close(y, ref)
     for a, b in zip(torch.autograd.grad(y, (*xs, w), dy), torch.autograd.grad(ref, (*xs, w), dy)):
         torch.testing.assert_close(a, b)

@@ -28,7 +28,8 @@ save and backward functions. torch.library's eager path (argument flattening, sc
 the autograd wrapper and redispatch) cost 0.33 ms of host time per Gemma 3 layer's forward and
 backward on the CPU, a quarter of coda's host time there; a model whose kernels are short (Gemma
 3 at 1B) waits on it. While anything traces (torch.compile, or a dispatch mode such as fake
-tensors) the custom ops run, which is what tracing needs.
+tensors), and for meta tensors and tensor subclasses, the custom ops run (their fake kernels
+serve meta tensors).
 """
 
 from __future__ import annotations
@@ -67,12 +68,15 @@ class FusedOp:
             explicit_fallback(getattr(getattr(torch.ops, namespace), op + suffix).default)
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        out = None
+        if not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None:
+            lists = tuple(len(a) if _tensors(a) else None for a in args)
+            flat = _flatten(args, lists)
+            if all(_plain(t) for t in flat):
+                out = _Eager.apply(self, lists, *flat)
+        if out is None:  # tracing, or meta tensors or tensor subclasses: the custom ops handle them
             out = self.forward(*args)
             out = (out,) if isinstance(out, torch.Tensor) else out
-        else:
-            lists = tuple(len(a) if _tensors(a) else None for a in args)
-            out = _Eager.apply(self, lists, *_flatten(args, lists))
         return out[0] if self.outputs == 1 else tuple(out[: self.outputs])
 
     def _setup(self, ctx, inputs, output) -> None:
@@ -135,6 +139,12 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return (None, None, *_flatten(ctx.op._autograd_backward(ctx, *grads), ctx.input_lists))
+
+
+def _plain(x: Any) -> bool:
+    """Not a tensor, or a tensor the op's functions run on as they are: no subclass (a
+    Parameter aside), not on the meta device (the fake kernels serve that)."""
+    return not isinstance(x, torch.Tensor) or (type(x) in (torch.Tensor, torch.nn.Parameter) and not x.is_meta)
 
 
 def _tensors(x: Any) -> bool:

@@ -15,13 +15,15 @@ three GEMMs in all, as unfused.
 
 With a large vocabulary, holding G from forward to backward costs more memory than computing
 the gradients in forward: where G would be more than twice an fp32 [V, D] (`chunk_rows`; Gemma
-3's V = 262144 at 2 x 4096 tokens: 4.3 GB in bf16), chunks of tokens whose logits take about one
-fp32 [V, D] (2 * D tokens in bf16) each run the same three GEMMs: dx into an fp32 [tokens, D],
-dW accumulated in place into an fp32 [V, D] (coda.gemm's in-place accumulation); backward scales
-both by dloss and rounds once (`scale_cast`). Memory at the LM head: one chunk's logits, dW and
-dx (2.5 GB for Gemma 3 1B) in place of G; the work: the same GEMMs, plus dW's fp32 reads and
-writes, one a chunk. reduction="none" always keeps G: its upstream gradient is per row, unknown
-in forward.
+3's V = 262144 at 2 x 4096 tokens: 4.3 GB in bf16), equal chunks of tokens whose logits take at
+most about one fp32 [V, D] (2 * D tokens in bf16) each run the same three GEMMs: dx into an fp32
+[tokens, D], dW accumulated in place into an fp32 [V, D] (coda.gemm's in-place accumulation);
+backward scales both by dloss and rounds once (`scale_cast`). Memory at the LM head: one chunk's
+logits, dW and dx (2.3 GB for Gemma 3 1B: 4 chunks of 2048 tokens) in place of G. Work: the same
+GEMMs, plus dW's fp32 reads and writes, one a chunk, and dx's GEMM, whose long K (V) runs on a
+chunk's few output tiles (16 x 5 for Gemma 3 at 128 x 256 tiles, against 132 SMs): its cost on
+the H200 is yet to be measured. reduction="none" always keeps G: its upstream gradient is per
+row, unknown in forward.
 
 The options (label smoothing, z-loss, final logit softcapping; docs/ALGEBRA.md 4) are steps in
 that epilogue and that row pass, generated only when set: a call without them runs the plain
@@ -83,10 +85,13 @@ def _smoothed_target(label_smoothing: float, v: int) -> tuple[float, float] | No
 def chunk_rows(tokens: int, vocab: int, dim: int, itemsize: int) -> int | None:
     """Rows a chunk when the gradients are computed in forward (module docstring), or None to
     keep G whole: chunks where G ([tokens, vocab], `itemsize` bytes) would take more than twice
-    an fp32 [vocab, dim]; a chunk's logits take about one (whole 128-row tiles)."""
+    an fp32 [vocab, dim]; as few chunks as keep each chunk's logits within about one, of equal
+    rows (whole 128-row tiles: no small last chunk, whose GEMMs would leave most SMs idle)."""
     if tokens * itemsize <= 8 * dim:
         return None
-    return max(1, -(-4 * dim // itemsize // 128)) * 128
+    most = max(1, -(-4 * dim // itemsize // 128)) * 128
+    chunks = -(-tokens // most)
+    return -(-tokens // (chunks * 128)) * 128
 
 
 def _chunked(x: torch.Tensor, weight: torch.Tensor, reduction: str) -> int | None:

@@ -82,9 +82,9 @@ def _host_profile(step, steps: int = 3) -> dict:
     groups: collections.Counter = collections.Counter()
     functions = []
     for (filename, line, function), (_, calls, self_s, cumulative_s, _) in stats.items():
-        groups[_where(filename, function)] += self_s * 1e3 / steps
-        where = _where(filename, function) if filename == "~" else f"{_where(filename, function)}:{line} {function}"
-        functions.append((self_s, where, calls // steps, cumulative_s))
+        group = _where(filename, function)
+        groups[group] += self_s * 1e3 / steps
+        functions.append((self_s, group if filename == "~" else f"{group}:{line} {function}", calls // steps, cumulative_s))
     total = sum(groups.values())
     top = sorted(functions, reverse=True)[:30]
     return {"profiled_ms": round(total, 2),

@@ -75,19 +75,18 @@ class FusedOp:
             if all(_plain(t) for t in flat):
                 out = _Eager.apply(self, lists, *flat)
         if out is None:  # tracing, or meta tensors or tensor subclasses: the custom ops handle them
-            out = self.forward(*args)
-            out = (out,) if isinstance(out, torch.Tensor) else out
+            out = _outputs(self.forward(*args))
         return out[0] if self.outputs == 1 else tuple(out[: self.outputs])
 
     def _setup(self, ctx, inputs, output) -> None:
-        output = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        output = _outputs(output)
         saved = self._save(*inputs, out=output)
         tensors, layout = [], []
         for item in saved:
             if isinstance(item, torch.Tensor):
                 tensors.append(item)
                 layout.append((_TENSOR, None))
-            elif isinstance(item, (list, tuple)) and item and all(isinstance(t, torch.Tensor) for t in item):
+            elif item and _tensors(item):
                 tensors.extend(item)
                 layout.append((_LIST, len(item)))
             else:
@@ -97,9 +96,10 @@ class FusedOp:
         ctx.public = [(o.shape, o.dtype, o.device) for o in output[: self.outputs]]
         ctx.input_lists = [len(x) if _tensors(x) else None for x in inputs]
         ctx.set_materialize_grads(False)  # no zeros for the internal outputs' gradients
-        ctx.eager = False
 
-    def _autograd_backward(self, ctx, *grads):
+    def _autograd_backward(self, ctx, *grads, backward: Callable | None = None):
+        """The input gradients from the output ones, through `backward` (the custom op unless the
+        eager path passes its function)."""
         public = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                   for g, (shape, dtype, device) in zip(grads[: self.outputs], ctx.public)]
         tensors, args = iter(ctx.saved_tensors), []
@@ -110,8 +110,7 @@ class FusedOp:
                 args.append([next(tensors) for _ in range(value)])
             else:
                 args.append(value)
-        backward = self._backward_fn if ctx.eager else self.backward
-        flat = iter(backward(*public, *args))
+        flat = iter((backward or self.backward)(*public, *args))
         result = []
         for i, n in enumerate(ctx.input_lists):
             if i not in self._grad_slots:
@@ -130,15 +129,20 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: FusedOp, lists: tuple[int | None, ...], *flat: Any) -> tuple[torch.Tensor, ...]:
         inputs = _unflatten(lists, flat)
-        output = op._forward_fn(*inputs)
-        output = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        output = _outputs(op._forward_fn(*inputs))
         op._setup(ctx, inputs, output)
-        ctx.op, ctx.eager = op, True
+        ctx.op = op
         return output
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        return (None, None, *_flatten(ctx.op._autograd_backward(ctx, *grads), ctx.input_lists))
+        grads_in = ctx.op._autograd_backward(ctx, *grads, backward=ctx.op._backward_fn)
+        return (None, None, *_flatten(grads_in, ctx.input_lists))
+
+
+def _outputs(out: Any) -> tuple:
+    """A forward's outputs as a tuple (a forward may return one tensor)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _plain(x: Any) -> bool:

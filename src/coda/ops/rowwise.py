@@ -415,10 +415,6 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
     return out
 
 
-__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
-           "rope_backward", "rope_halves"]
-
-
 def scale_cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """s * x in `dtype`, rounded once: x fp32 and contiguous, s a 0-d fp32 tensor (read on the
     device: no synchronization). One read of x and one write, no fp32 temporary."""
@@ -431,3 +427,8 @@ def scale_cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
         _scale_cast_kernel[(triton.cdiv(x.numel(), block),)](x, s, out, x.numel(), BLOCK=block, num_warps=8,
                                                               **_out_args(dtype))
     return out
+
+
+__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
+           "rope_backward", "rope_halves", "scale_cast"]
+

@@ -65,6 +65,7 @@ def main() -> None:
         dist.all_reduce(mean)
         if rank == 0:
             print(f"step {step}: loss {mean.item() / world:.4f} (mean over {world} ranks)", flush=True)
+    dist.barrier()  # no rank tears gloo's connections down while another still uses them
     dist.destroy_process_group()
 
 

@@ -204,10 +204,12 @@ def scratch_bytes(graph: Graph, cfg: Config) -> int:
 
 
 def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
-                 pointer_tiles: bool) -> int:
+                 pointer_tiles: bool, pointer_stores: Sequence[Staged]) -> int:
     """Shared memory of the kernel whose `loads` and `stores` move through TMA
-    (`resources.shared_bytes`; `pointer_tiles` counts nothing here): the ring, each staged Tile's
-    and output's copies, the scratch and the barriers, all allocated at once."""
+    (`resources.shared_bytes`; `pointer_tiles` and `pointer_stores` count nothing here: the
+    kernel stores from registers in the layout it chose, sm_90 compiles show no scratch): the
+    ring, each staged Tile's and output's copies, the scratch and the barriers, all allocated at
+    once."""
     ring = ring_bytes(cfg, in_size)
     loaded = sum(tile_load_bytes(cfg, s.width, s.size) for s in loads)
     stored = sum(store_bytes(cfg, s.width, s.size) for s in stores)

@@ -50,54 +50,60 @@ class Staged:
 
 
 def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
-                 pointer_tiles: bool) -> int:
+                 pointer_tiles: bool, pointer_stores: Sequence[Staged]) -> int:
     """Shared memory of a kernel whose `loads` and `stores` move through TMA (`pointer_tiles`:
-    some Tile operand does not), as its backend adds it up (its module's `shared_bytes`)."""
-    return backend_of(cfg.backend).shared_bytes(graph, cfg, in_size, loads, stores, pointer_tiles)
+    some Tile operand does not; `pointer_stores`: the tile outputs that do not), as its backend
+    adds it up (its module's `shared_bytes`)."""
+    return backend_of(cfg.backend).shared_bytes(graph, cfg, in_size, loads, stores, pointer_tiles, pointer_stores)
 
 
 def staging(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
-            tiles: int) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+            tiles: int, outputs: Sequence[Staged]) -> tuple[tuple[str, ...], tuple[str, ...], int]:
     """Which of the TMA-legal `loads` and `stores` move through TMA, and the shared memory then:
     all of them where that fits, else Tile loads first, then stores, each while it fits (the
     rest use pointers, so that their staging never makes a config fail). `tiles`: the graph's
-    Tile operands, those not in `loads` being read through pointers."""
-    best = shared_bytes(graph, cfg, in_size, loads, stores, len(loads) < tiles)
+    Tile operands, those not in `loads` being read through pointers; `outputs`: every tile
+    output, those not in `stores` being stored through pointers."""
+    def total(kept_loads: Sequence[Staged], kept_stores: Sequence[Staged]) -> int:
+        names = {s.name for s in kept_stores}
+        return shared_bytes(graph, cfg, in_size, kept_loads, kept_stores, len(kept_loads) < tiles,
+                            [o for o in outputs if o.name not in names])
+
+    best = total(loads, stores)
     if best <= HOPPER_SMEM_BYTES:
         return tuple(s.name for s in loads), tuple(s.name for s in stores), best
     kept_loads: list[Staged] = []
     kept_stores: list[Staged] = []
     for s in loads:
-        if shared_bytes(graph, cfg, in_size, kept_loads + [s], [], len(kept_loads) + 1 < tiles) <= HOPPER_SMEM_BYTES:
+        if total(kept_loads + [s], []) <= HOPPER_SMEM_BYTES:
             kept_loads.append(s)
-    pointer_tiles = len(kept_loads) < tiles
     for s in stores:
-        if shared_bytes(graph, cfg, in_size, kept_loads, kept_stores + [s], pointer_tiles) <= HOPPER_SMEM_BYTES:
+        if total(kept_loads, kept_stores + [s]) <= HOPPER_SMEM_BYTES:
             kept_stores.append(s)
-    total = shared_bytes(graph, cfg, in_size, kept_loads, kept_stores, pointer_tiles)
-    return tuple(s.name for s in kept_loads), tuple(s.name for s in kept_stores), total
+    return tuple(s.name for s in kept_loads), tuple(s.name for s in kept_stores), total(kept_loads, kept_stores)
 
 
-def _staged(graph: Graph, cfg: Config, in_size: int, out_size: int) -> tuple[list[Staged], list[Staged]]:
-    """Every Tile operand (of `in_size` bytes) and, with tma_store, tile output (`out_size`)."""
+def _staged(graph: Graph, cfg: Config, in_size: int, out_size: int) -> tuple[list[Staged], list[Staged], list[Staged]]:
+    """Every Tile operand (of `in_size` bytes), the tile outputs stored through TMA (all of them
+    with tma_store, else none) and every tile output (of `out_size` bytes)."""
     loads = [Staged(s.name, s.frac_width, in_size) for s in graph.operands if s.kind.value == "tile"]
-    stores = [Staged(o.name, graph.node(o.x).frac_width, out_size) for o in graph.outputs
-              if isinstance(o, StoreOutput)] if cfg.tma_store else []
-    return loads, stores
+    outputs = [Staged(o.name, graph.node(o.x).frac_width, out_size) for o in graph.outputs
+               if isinstance(o, StoreOutput)]
+    return loads, outputs if cfg.tma_store else [], outputs
 
 
 def smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
     """Shared memory of the kernel with every Tile operand of `in_size` bytes loaded and (with
     tma_store) every tile output of `out_size` stored through TMA: what the tuner admits."""
-    loads, stores = _staged(graph, cfg, in_size, out_size)
-    return shared_bytes(graph, cfg, in_size, loads, stores, False)
+    loads, stores, outputs = _staged(graph, cfg, in_size, out_size)
+    return shared_bytes(graph, cfg, in_size, loads, stores, False, [] if stores else outputs)
 
 
 def run_smem_bytes(graph: Graph, cfg: Config, in_size: int, out_size: int) -> int:
     """Shared memory of the kernel the runtime runs for such operands and outputs, all of them
     TMA-legal: staged while they fit (`staging`), the rest through pointers."""
-    loads, stores = _staged(graph, cfg, in_size, out_size)
-    return staging(graph, cfg, in_size, loads, stores, len(loads))[2]
+    loads, stores, outputs = _staged(graph, cfg, in_size, out_size)
+    return staging(graph, cfg, in_size, loads, stores, len(loads), outputs)[2]
 
 
 def acc_regs(cfg: Config) -> int:

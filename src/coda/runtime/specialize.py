@@ -32,9 +32,10 @@ def _staging(call: Call, cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...],
     tiles = [s for s in graph.operands if s.kind == Kind.TILE]
     loads = [Staged(s.name, s.frac_width, call.operands[s.name].element_size()) for s in tiles
              if tma.tile_ok(call, s.name, cfg)]
-    stores = [Staged(o.name, graph.node(o.x).frac_width, call.out_dtype(o).itemsize) for o in graph.outputs
-              if isinstance(o, StoreOutput) and cfg.tma_store and tma.store_ok(call, o, cfg)]
-    return staging(graph, cfg, call.a.element_size(), loads, stores, len(tiles))
+    outputs = [o for o in graph.outputs if isinstance(o, StoreOutput)]
+    staged = {o.name: Staged(o.name, graph.node(o.x).frac_width, call.out_dtype(o).itemsize) for o in outputs}
+    stores = [staged[o.name] for o in outputs if cfg.tma_store and tma.store_ok(call, o, cfg)]
+    return staging(graph, cfg, call.a.element_size(), loads, stores, len(tiles), list(staged.values()))
 
 
 def call_smem_bytes(call: Call, cfg: Config) -> int:

@@ -112,17 +112,28 @@ def scratch_bytes(graph: Graph, cfg: Config, pointer_tiles: bool) -> int:
     return convert + reduce + 8 * max(cfg.epi_m, cols)
 
 
+def store_convert_bytes(cfg: Config, pointer_stores: Sequence[Staged]) -> int:
+    """Shared memory through which tile outputs stored through pointers leave the accumulator's
+    layout (for coalesced stores): one subtile of an output in its dtype, the outputs taking
+    turns (sm_90 compiles of flattened loops: 128 KB for an fp32 128x256 output, 64 KB for two
+    fp32 128x128 ones, 32 KB for a width-1/2 fp32 one from pairs)."""
+    return max((staging_bytes(cfg, s.width, s.size) for s in pointer_stores), default=0)
+
+
 def shared_bytes(graph: Graph, cfg: Config, in_size: int, loads: Sequence[Staged], stores: Sequence[Staged],
-                 pointer_tiles: bool) -> int:
+                 pointer_tiles: bool, pointer_stores: Sequence[Staged]) -> int:
     """Shared memory of the kernel whose `loads` and `stores` move through TMA, one subtile's
-    staging each (`pointer_tiles`: some Tile operand does not; `resources.shared_bytes`). Triton
-    frees a non-flattened K loop's ring for the epilogue (its staged loads and scratch then share
-    those bytes, sm_90 compiles show), but never the TMA stores' buffers, which drain while the
-    next tile runs."""
+    staging each (`pointer_tiles`: some Tile operand does not; `pointer_stores`: the tile outputs
+    that do not; `resources.shared_bytes`). Triton frees a non-flattened K loop's ring for the
+    epilogue (its staged loads and scratch then share those bytes, sm_90 compiles show), but
+    never the TMA stores' buffers, which drain while the next tile runs. The epilogue's Tiles are
+    read from their staging before any output is stored (codegen's order), so the pointer
+    stores' conversion reuses the loads' staging bytes (sm_90 compiles: the SwiGLU backward's dz
+    through pointers beside a TMA-loaded z and y takes no more than its stores and loads)."""
     ring = ring_bytes(cfg, in_size)
     loaded = sum(staging_bytes(cfg, s.width, s.size) for s in loads)
     stored = sum(staging_bytes(cfg, s.width, s.size) for s in stores)
-    epilogue = loaded + scratch_bytes(graph, cfg, pointer_tiles)
+    epilogue = max(loaded, store_convert_bytes(cfg, pointer_stores)) + scratch_bytes(graph, cfg, pointer_tiles)
     if cfg.flatten:
         return ring + stored + epilogue + BARRIER_BYTES
     return stored + max(ring, epilogue) + BARRIER_BYTES

@@ -418,18 +418,19 @@ def markdown(data: dict, name: str) -> str:
 def merge(paths: list[Path], out: Path, note: str | None) -> None:
     """One table from the JSON of one or more runs (device calls); a later row replaces an earlier
     one of the same GPU, model, shape, packing and variant. Each row keeps its run's GPU and commit,
-    and the meta names every GPU when runs came on different ones (a loan may give an H100 for an H200)."""
+    and the meta names the GPUs and commits of the rows kept, each once (a loan may give an H100 for
+    an H200)."""
     data: dict = {"rows": [], "notes": []}
-    gpus: list[str] = []
     for path in paths:
         part = json.loads(path.read_text())
         part["rows"] = [{**r, "gpu": r.get("gpu", part["meta"]["gpu"]),
                          "commit": r.get("commit", part["meta"].get("commit"))} for r in part["rows"]]
-        gpus += [part["meta"]["gpu"]] if part["meta"]["gpu"] not in gpus else []
         keys = {key(r) for r in part["rows"]}
         data["rows"] = [r for r in data["rows"] if key(r) not in keys] + part["rows"]
         data["notes"] = [n for n in data["notes"] if n not in part.get("notes", [])] + part.get("notes", [])
-        data["meta"] = {**part["meta"], "gpu": " and ".join(gpus)}
+        data["meta"] = dict(part["meta"])
+    data["meta"]["gpu"] = " and ".join(dict.fromkeys(r["gpu"] for r in data["rows"]))
+    data["meta"]["commit"] = ", ".join(dict.fromkeys(str(r["commit"]) for r in data["rows"]))
     if note:
         data["meta"]["note"] = note
     out.mkdir(parents=True, exist_ok=True)

@@ -176,3 +176,29 @@ def test_unsupported_configs_are_refused_clearly() -> None:
                           "original_max_position_embeddings": 32})
     with pytest.raises(ValueError, match="rope_parameters=.*yarn"):
         LlamaForCausalLM.from_hf(hf)
+
+
+def test_gemma_gains_made_together_equal_each_made_alone() -> None:
+    """LlamaConfig.gains (Gemma's 1 + w of several norms in one concatenation) gives gain()'s
+    values and gradients exactly, None where a weight is None, and leaves non-Gemma weights as given."""
+    from coda.models.llama import LlamaConfig
+
+    shape = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    gemma = LlamaConfig(**shape, gemma=True)
+    ws = [torch.randn(n, dtype=torch.bfloat16, device=DEVICE, requires_grad=True) for n in (8, 8, 4)]
+    args = (ws[0], None, ws[1], ws[2])
+    together, alone = gemma.gains(*args), tuple(None if w is None else gemma.gain(w) for w in args)
+    assert together[1] is None
+    ups = [torch.randn(n, device=DEVICE) for n in (8, 8, 4)]
+    grads = []
+    for gains in (together, alone):
+        got = [g for g in gains if g is not None]
+        grads.append(torch.autograd.grad([(g * u).sum() for g, u in zip(got, ups)], ws))
+        assert all(g.dtype == torch.float32 for g in got)
+    for a, b in zip((g for g in together if g is not None), (g for g in alone if g is not None)):
+        assert torch.equal(a, b)
+    for a, b in zip(*grads):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    plain = LlamaConfig(**shape)
+    assert all(a is b for a, b in zip(plain.gains(*args), args))

@@ -112,6 +112,16 @@ class LlamaConfig:
         fp32 and rounds once, as coda's ops do; the gradient maps back to w unchanged)."""
         return 1.0 + w.float() if self.gemma else w
 
+    def gains(self, *ws: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """`gain` of each weight (None stays None). Gemma's in one concatenation, cast and add, split
+        into views: a layer's five or six norms take three launches, not two each, and backward one
+        concatenation and one cast, not a cast each (the same values: 1 + w in fp32)."""
+        given = [w for w in ws if w is not None]
+        if not self.gemma or len(given) < 2:
+            return tuple(None if w is None else self.gain(w) for w in ws)
+        parts = iter((1.0 + torch.cat([w.reshape(-1) for w in given]).float()).split([w.numel() for w in given]))
+        return tuple(None if w is None else next(parts).view(w.shape) for w in ws)
+
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
         """From a transformers config of a family `coda.models.from_hf` supports (families.py: every
@@ -230,46 +240,49 @@ class LlamaLayer(nn.Module):
         attn = self._attention(qkv, batch, seq, mask)
         if self.next_w_qkv is None and final_norm is None:
             raise ValueError("the last LlamaLayer needs the model's final norm weight")
+        # This layer's norm scales (Gemma's 1 + w made together: LlamaConfig.gains); the next layer's
+        # input norm and q/k norms, or the final norm after the last layer.
+        g_post_attn, g_ffn, g_post_ffn, g_final, g_attn, g_q, g_k = c.gains(
+            self.post_attn_norm, self.ffn_norm, self.post_ffn_norm, final_norm if self.next_w_qkv is None else None,
+            self.next_attn_norm, self.next_q_norm, self.next_k_norm)
         if c.sandwich or c.post_norm:  # norms on the outputs: row passes, then the next qkv as layer 0's
             if c.post_norm:
-                x2 = post_norm_residual(attn, x, self.wo, self.post_attn_norm, self.w_gate_up, self.w_down,
-                                        self.post_ffn_norm, c.rms_norm_eps)
+                x2 = post_norm_residual(attn, x, self.wo, g_post_attn, self.w_gate_up, self.w_down, g_post_ffn,
+                                        c.rms_norm_eps)
             else:
-                x2 = sandwich_residual(attn, x, self.wo, c.gain(self.post_attn_norm), c.gain(self.ffn_norm),
-                                       self.w_gate_up, self.w_down, c.gain(self.post_ffn_norm), c.rms_norm_eps,
-                                       c.activation)
+                x2 = sandwich_residual(attn, x, self.wo, g_post_attn, g_ffn, self.w_gate_up, self.w_down, g_post_ffn,
+                                       c.rms_norm_eps, c.activation)
             if self.next_w_qkv is None:
-                return rmsnorm(x2, c.gain(final_norm), c.rms_norm_eps), None
-            return x2, qkv_segment(c, self.index + 1, x2, pos, self.next_attn_norm, self.next_w_qkv, self.next_b_qkv,
-                                   self.next_q_norm, self.next_k_norm)
+                return rmsnorm(x2, g_final, c.rms_norm_eps), None
+            return x2, qkv_segment(c, self.index + 1, x2, pos, g_attn, self.next_w_qkv, self.next_b_qkv, g_q, g_k)
         if self.next_w_qkv is None:
-            return last_segment(attn, x, self.wo, c.gain(self.ffn_norm), self.w_gate_up, self.w_down,
-                                c.gain(final_norm), c.rms_norm_eps, c.activation), None
+            return last_segment(attn, x, self.wo, g_ffn, self.w_gate_up, self.w_down, g_final, c.rms_norm_eps,
+                                c.activation), None
         theta, scaling = c.rope(self.index + 1)
-        w = NativeBlockWeights(wo=self.wo, g_ffn=c.gain(self.ffn_norm), w_gate_up=self.w_gate_up, w_down=self.w_down,
-                               g_attn=c.gain(self.next_attn_norm), w_qkv=self.next_w_qkv,
+        w = NativeBlockWeights(wo=self.wo, g_ffn=g_ffn, w_gate_up=self.w_gate_up, w_down=self.w_down,
+                               g_attn=g_attn, w_qkv=self.next_w_qkv,
                                n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
                                rope_base=theta, rope_scaling=None if scaling is None else list(scaling),
                                activation=c.activation,
                                b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv],
-                               qk_norm=[] if self.next_q_norm is None else [self.next_q_norm, self.next_k_norm])
+                               qk_norm=[] if g_q is None else [g_q, g_k])
         return block_segment(attn, x, pos, w)
 
 
-def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, attn_norm: torch.Tensor | None,
-                w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
-                k_norm: torch.Tensor | None) -> torch.Tensor:
+def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor | None,
+                w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, g_q: torch.Tensor | None,
+                g_k: torch.Tensor | None) -> torch.Tensor:
     """Layer `layer`'s qkv from the residual stream x as `first_segment` (its input norm's row pass,
     then the QKV GEMM with RoPE, the biases or QK-norm in its epilogue): layer 0's, and every
     layer's after a Gemma 2/3 layer (whose sandwich norm ends in a row pass). OLMo 2 (no input norm,
     whole-width q/k norms): the GEMM, then row passes (whole_qk_norm_qkv)."""
     theta, scaling = c.rope(layer)
     if c.post_norm:
-        return whole_qk_norm_qkv(x, pos, inv_freq(c.dim_per_head, theta, scaling, x.device), w_qkv, q_norm, k_norm,
+        return whole_qk_norm_qkv(x, pos, inv_freq(c.dim_per_head, theta, scaling, x.device), w_qkv, g_q, g_k,
                                  c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
-    return first_segment(x, pos, c.gain(attn_norm), w_qkv, n_heads=c.num_attention_heads,
+    return first_segment(x, pos, g_attn, w_qkv, n_heads=c.num_attention_heads,
                          n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta, rope_scaling=scaling,
-                         b_qkv=b_qkv, qk_norm=None if q_norm is None else (c.gain(q_norm), c.gain(k_norm)))
+                         b_qkv=b_qkv, qk_norm=None if g_q is None else (g_q, g_k))
 
 
 def _qkv_rows(c: LlamaConfig) -> int:
@@ -516,7 +529,9 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens, padding_idx=c.pad_token_id)
         if c.gemma:  # HF's scale: sqrt(D) as an fp32 number, rounded to the embedding's dtype
             x = x * torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
-        qkv = qkv_segment(c, 0, x, pos, *self._attn_params(0))
+        attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(0)
+        g_attn, g_q, g_k = c.gains(attn_norm, q_norm, k_norm)
+        qkv = qkv_segment(c, 0, x, pos, g_attn, w_qkv, b_qkv, g_q, g_k)
         for i, layer in enumerate(self.layers):
             mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its

@@ -8,7 +8,10 @@ Python. The kernel launch is replaced by a no-op after each plan is built, so it
 (through the interpreter for the first, real call on a CPU); Triton's and CUDA's own launch
 overhead comes on top on a GPU. --models: bench/train.py's --tiny models (each family's
 structure) with 1 and 5 layers, every coda and Triton kernel launch a no-op; a layer's time is
-the difference over 4 (the ends cancel).
+the difference over 4 (the ends cancel), and so are its counts: coda's GEMMs, and the torch ops
+outside coda's operators that would launch a kernel on a GPU (not views or allocations), counted
+in a second pass (the counting dispatch mode sees coda's operators as torch.library ops, not what
+they run inside).
 
     python bench/tools/host_overhead.py [--calls 2000] [--models gemma3-1b,qwen3-1.7b]
 """
@@ -78,9 +81,51 @@ def _step_ms(train, name: str, layers: int, steps: int) -> float:
     return statistics.median(times[3:])
 
 
-def per_layer(models: list[str], steps: int) -> dict[str, float]:
-    """Host milliseconds per decoder layer (forward + backward) of each model, kernels stubbed.
-    Stubs stay in place: run it in its own process."""
+# Ops that launch no kernel: views, allocations (and coda's op wrappers, which run other ops).
+_NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "expand", "split_with_sizes", "split", "slice", "select",
+              "unsqueeze", "squeeze", "permute", "alias", "detach", "reshape", "as_strided", "empty", "empty_like",
+              "empty_strided", "unbind", "narrow", "lift_fresh"}
+
+
+def _step_ops(train, name: str, layers: int) -> tuple[int, int]:
+    """(coda GEMMs, kernel-launching torch ops outside coda's operators) of one forward+backward of
+    the --tiny model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from coda.runtime.plan import Plan
+
+    family = train.MODELS[name]
+    model = train.build("coda", train.hf_model(family, "cpu", 0, True, layers))
+    batch = train.batches(family.shape(True, layers)["vocab_size"], 2, 16, False, "cpu")[0]
+    model(**batch).loss.backward()  # plans built
+    counts = {"gemm": 0, "other": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _NO_KERNEL and func.namespace != "coda":
+                counts["other"] += 1
+            return func(*args, **(kwargs or {}))
+
+    execute = Plan.execute
+
+    def counted(self, *args, **kwargs):
+        counts["gemm"] += 1
+        return execute(self, *args, **kwargs)
+
+    Plan.execute = counted
+    try:
+        with Count():
+            model(**batch).loss.backward()
+    finally:
+        Plan.execute = execute
+    return counts["gemm"], counts["other"]
+
+
+def per_layer(models: list[str], steps: int) -> dict[str, dict[str, float]]:
+    """Host milliseconds, coda GEMMs and torch ops outside coda's operators per decoder layer
+    (forward + backward) of each model, kernels stubbed. Stubs stay in place: run it in its own
+    process."""
     import triton.runtime.interpreter as interpreter
 
     from coda.runtime.plan import Plan
@@ -91,7 +136,12 @@ def per_layer(models: list[str], steps: int) -> dict[str, float]:
     Plan._launch = lambda self, args: None
     interpreter.InterpretedFunction.run = lambda self, *args, **kwargs: None
     torch.set_num_threads(1)
-    return {name: (_step_ms(train, name, 5, steps) - _step_ms(train, name, 1, steps)) / 4 for name in models}
+    result = {}
+    for name in models:
+        ms = (_step_ms(train, name, 5, steps) - _step_ms(train, name, 1, steps)) / 4
+        (g5, o5), (g1, o1) = _step_ops(train, name, 5), _step_ops(train, name, 1)
+        result[name] = {"ms": ms, "gemms": (g5 - g1) / 4, "ops": (o5 - o1) / 4}
+    return result
 
 
 def main() -> None:
@@ -101,8 +151,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
     if args.models:
-        for name, ms in per_layer(args.models.split(","), args.steps).items():
-            print(f"{name:16s} {ms:6.2f} ms per layer, forward + backward (host only)")
+        for name, r in per_layer(args.models.split(","), args.steps).items():
+            print(f"{name:16s} {r['ms']:6.2f} ms per layer, forward + backward (host only); {r['gemms']:.0f} coda GEMMs "
+                  f"and {r['ops']:.0f} torch ops outside coda's operators a layer")
         return
     for name, us in measure(args.calls).items():
         print(f"{name:28s} {us:7.1f} us per call (host only)")

@@ -124,13 +124,19 @@ WORKER = script('''
         graph = coda.epilogue(namespace["f"]).graph
         m, n, k = req["shape"]
         a, b = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(k, n, dtype=torch.bfloat16)
+        pad = 1 if req.get("strided") else 0  # rows one element apart: no TMA, Tiles and outputs through pointers
+
+        def tile(cols, dtype):
+            return torch.zeros(m, cols + pad, dtype=dtype)[:, :cols]
+
         ops = {}
         for s in graph.operands:
             cols = int(n * s.frac_width)
-            ops[s.name] = torch.zeros({Kind.TILE: (m, cols), Kind.VEC_M: (m,), Kind.VEC_N: (cols,)}[s.kind],
-                                      dtype=torch.bfloat16 if s.kind == Kind.TILE else torch.float32)
-        out = {o.name: torch.zeros(m, int(n * graph.node(o.x).frac_width), dtype=getattr(torch, req["out_dtype"]))
-               for o in graph.outputs if isinstance(o, StoreOutput)} if req.get("out_dtype") else None
+            ops[s.name] = (tile(cols, torch.bfloat16) if s.kind == Kind.TILE
+                           else torch.zeros({Kind.VEC_M: m, Kind.VEC_N: cols}[s.kind]))
+        out_dtype = getattr(torch, req.get("out_dtype") or "bfloat16")
+        out = {o.name: tile(int(n * graph.node(o.x).frac_width), out_dtype)
+               for o in graph.outputs if isinstance(o, StoreOutput)} if req.get("out_dtype") or pad else None
         call = validate(graph, a, b, ops, out, True)
         if isinstance(req["config"], dict):
             cfg = Config(**req["config"])
@@ -152,10 +158,12 @@ class Worker(AotWorker):
     """The compiling process, asked for one program under one config at one shape."""
 
     def ask(self, source: str, config: object, shape: tuple[int, int, int] = (M, N, K),
-            out_dtype: str | None = None) -> dict:
+            out_dtype: str | None = None, strided: bool = False) -> dict:
         """`config` a Config's fields or a backend's name (its default); tile outputs of
-        `out_dtype` (out= tensors), else of the inputs' dtype."""
-        return self.request({"source": source, "config": config, "shape": shape, "out_dtype": out_dtype})
+        `out_dtype` (out= tensors), else of the inputs' dtype; `strided`: Tile operands and
+        outputs with rows one element apart (read and written through pointers)."""
+        return self.request({"source": source, "config": config, "shape": shape, "out_dtype": out_dtype,
+                             "strided": strided})
 
 
 @pytest.fixture(scope="module")
@@ -290,12 +298,13 @@ def wide_programs(draw: st.DrawFn) -> str:
           suppress_health_check=[HealthCheck.too_slow])
 @given(source=wide_programs(), backend=st.sampled_from(["triton", "triton", "gluon-hopper"]),
        m=st.sampled_from([128, 1024]), n=st.sampled_from([2048, 4096]),
-       out_dtype=st.sampled_from(["bfloat16", "float32"]), data=st.data())
+       out_dtype=st.sampled_from(["bfloat16", "float32"]), strided=st.booleans(), data=st.data())
 def test_random_wide_programs_fit_on_sm90(worker: Worker, source: str, backend: str, m: int, n: int, out_dtype: str,
-                                          data: st.DataObject) -> None:
+                                          strided: bool, data: st.DataObject) -> None:
     """The default the runtime picks, and a config the tuner would try, compile for sm_90 within
     the limit and within the model's bytes (no OutOfResources), or gluon-hopper says in a
-    sentence why it cannot run the program; tile outputs bf16 or fp32."""
+    sentence why it cannot run the program; tile outputs bf16 or fp32, Tiles and outputs through
+    TMA or (strided rows) through pointers."""
     note(source)
     namespace = {"coda": coda}
     exec(source, namespace)
@@ -306,12 +315,12 @@ def test_random_wide_programs_fit_on_sm90(worker: Worker, source: str, backend: 
              if autotune.prune_reason(graph, c, 2, out_size, m, n) is None]
     if space:
         candidate = data.draw(st.sampled_from(space), label="tuner candidate")
-        tried = worker.ask(source, candidate.model_dump(), (m, n, K), out_dtype)
+        tried = worker.ask(source, candidate.model_dump(), (m, n, K), out_dtype, strided)
         note(json.dumps(tried))
         assert tried["estimate"] <= HOPPER_SMEM_BYTES and tried["shared"] <= HOPPER_SMEM_BYTES, tried
         _check_bound("tuner candidate", tried)
     try:
-        result = worker.ask(source, backend, (m, n, K), out_dtype)
+        result = worker.ask(source, backend, (m, n, K), out_dtype, strided)
     except AssertionError as exc:  # no config fits: a sentence naming the reduction, never a pydantic dump
         message = str(exc)
         assert "ValueError: gluon-hopper cannot run epilogue 'f'" in message and "validation error" not in message, message

@@ -38,6 +38,8 @@ def _sync_sites(step) -> dict[str, int]:
     original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith("Synchronization debug mode is a prototype"):  # the mode's own notice
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
                   and "warnings" not in f.filename]
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])

@@ -5,7 +5,7 @@
 #                 workers, since compiling kernels on the host's CPUs is most of its time), ~4 min; TESTS_ARGS
 #                 picks test files
 #   tests_triton  the same with CODA_BACKEND=triton: `tests` runs gluon-hopper wherever it can, so this is
-#                 where the Triton backend meets the whole suite on the GPU, ~3 min
+#                 where the Triton backend meets the whole suite on the GPU, ~3 min (TESTS_ARGS too)
 #   epilogues     each fused GEMM against its bare GEMM and the peers (bench/gemm_epilogues.py), ~4 min
 #   ops           the ops and the block, forward and forward+backward, against the peers (bench/ops_block.py),
 #                 ~1.5 min (last timed tuned, from a seeded tuning cache)
@@ -53,7 +53,7 @@ for step in $steps; do
     tests) CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -n 8 ${TESTS_ARGS:-tests} 2>&1 \
              | tee "$OUT/gpu_tier.log" | tail -15 ;;
     tests_triton) CODA_BACKEND=triton CODA_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
-                    -n 8 tests 2>&1 | tee "$OUT/gpu_tier_triton.log" | tail -15 ;;
+                    -n 8 ${TESTS_ARGS:-tests} 2>&1 | tee "$OUT/gpu_tier_triton.log" | tail -15 ;;
     epilogues) timeout $STEP_TIMEOUT python3 bench/gemm_epilogues.py --part epilogues --out "$OUT" 2>&1 | untuned_lines \
                  | tee "$OUT/epilogues.log" | tail -30 ;;
     ops) timeout $STEP_TIMEOUT python3 bench/ops_block.py --out "$OUT" 2>&1 | untuned_lines | tee "$OUT/ops.log" | tail -30 ;;

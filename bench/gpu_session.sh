@@ -22,6 +22,8 @@
 #   rowwise       the row-pass kernels against torch.add's bandwidth (rowwise_bandwidth.py), ~1 min
 #   step_gaps     a training step's time against its kernels' and the host's, the syncs, a host profile
 #                 (step_gaps.py; STEP_GAPS_ARGS, e.g. "--models gemma3-1b,llama3.2-1b --packed no"), ~1 min a row
+#   compile_times the property tests' random programs' first calls on both backends, compile time and result
+#                 (compile_times.py; COMPILE_TIMES_ARGS, e.g. "--per-shape 24"), ~2 min at 8 a shape
 #   timeline      per-tile timelines of the block's fused GEMMs, as generated and with template v4's changes
 #                 undone (timeline.py variants), ~4 min
 # Usage on the device (pydantic travels as wheels in .whl): bash bench/gpu_session.sh STEP...; with no argument
@@ -69,6 +71,8 @@ for step in $steps; do
     rowwise) timeout $STEP_TIMEOUT python3 bench/tools/rowwise_bandwidth.py --out "$OUT" 2>&1 | tee "$OUT/rowwise.log" | tail -12 ;;
     step_gaps) timeout $STEP_TIMEOUT python3 bench/tools/step_gaps.py --out "$OUT" ${STEP_GAPS_ARGS:-} 2>&1 \
       | tee "$OUT/step_gaps.log" | tail -20 ;;
+    compile_times) timeout $STEP_TIMEOUT python3 bench/tools/compile_times.py --out "$OUT" ${COMPILE_TIMES_ARGS:-} 2>&1 \
+      | grep -v Warn | tee "$OUT/compile_times.log" | tail -8 ;;
     timeline)
       fused=residual_norm_stats,rmsnorm_backward_residual,rms_rope,rms_swiglu,swiglu_backward_zdz
       { timeout 170 python3 bench/tools/timeline.py --out "$OUT/timeline_v4" --cases $fused
@@ -76,7 +80,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, step_gaps, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, step_gaps, compile_times, timeline)"; exit 2 ;;
   esac
 done
 [ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning

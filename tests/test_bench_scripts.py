@@ -412,3 +412,21 @@ def test_attention_script(cpu_harness) -> None:
     assert [(r["case"], r["variant"]) for r in rows] == [(c, v) for c in cases for v in ("sdpa_causal", "sdpa_mask")]
     assert all(r["error"] < 1e-6 for r in rows if r["variant"] == "sdpa_mask")
     assert "| packed_window | 4 / 2 x 8 | 5 | sdpa_mask |" in at.table(rows)
+
+
+def test_compile_times_runs_random_programs_and_tables_them() -> None:
+    """bench/tools/compile_times.py: a backend's fresh process runs the derandomized random programs, each
+    checked against its fp32 reference with its first launch logged; the table counts errors and slow calls."""
+    import compile_times
+
+    assert compile_times.draw_programs(3, ((3, 16, 8),))[2][1].source() == \
+        compile_times.draw_programs(3, ((3, 16, 8),))[2][1].source()  # the same programs every run
+    run = compile_times.run_backend("triton", 2, 300, ((3, 16, 8),))
+    assert run["stopped"] is None and len(run["rows"]) == 2
+    assert all(r.get("correct") and r["first_call_s"] > 0 for r in run["rows"]), run["rows"]
+    assert {x["backend"] for r in run["rows"] for x in r["launches"]} == {"triton"}
+    slow = {"backend": "auto", "stopped": "timed out after 9 s",
+            "rows": [{"first_call_s": 16.0}, {"first_call_s": 2.0}, {"error": "OutOfResources: 300000 B"}]}
+    table = compile_times.table([run, slow])
+    assert "| triton | 2 | 0 |" in table
+    assert "| auto | 3 | 1 | 16.00 | 16.00 | 1 | timed out after 9 s |" in table

@@ -278,12 +278,15 @@ def run_variant(args) -> dict:
     row.update(step_ms=step_ms, tokens_per_s=batch * seq / step_ms * 1e3,
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
     if cuda:
-        row["breakdown_ms"] = breakdown(lambda: step(0))
+        row["breakdown_ms"], row["top_kernels"] = breakdown(lambda: step(0))
     return row
 
 
-def breakdown(step) -> dict[str, float]:
-    """One step's GPU kernel time by category (ms), from torch.profiler."""
+def breakdown(step, top: int = 30) -> tuple[dict[str, float], list[dict]]:
+    """One step's GPU kernel time by category (ms), and its `top` kernels by time (name, launches,
+    ms), from torch.profiler: where two variants' categories differ, the kernels say why."""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -292,11 +295,14 @@ def breakdown(step) -> dict[str, float]:
         step()
         torch.cuda.synchronize()
     out = {"gemms": 0.0, "attention": 0.0, "other": 0.0}
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             out[category(evt.name)] += evt.device_time / 1e3
+            kernels[evt.name].append(evt.device_time / 1e3)
     out["total"] = sum(out.values())
-    return out
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return out, [{"kernel": name[:160], "launches": len(t), "ms": sum(t)} for name, t in ranked]
 
 
 # -- the driver: every (model, shape, variant) in a process of its own ------------------------------
@@ -417,7 +423,8 @@ def markdown(data: dict, name: str) -> str:
 
 def merge(paths: list[Path], out: Path, note: str | None) -> None:
     """One table from the JSON of one or more runs (device calls); a later row replaces an earlier
-    one of the same GPU, model, shape, packing and variant. Each row keeps its run's GPU and commit,
+    one of the same GPU, model, shape, packing and variant; rows are listed by GPU, commit, packing, model
+    and variant. Each row keeps its run's GPU and commit,
     and the meta names the GPUs and commits of the rows kept, each once (a loan may give an H100 for
     an H200)."""
     data: dict = {"rows": [], "notes": []}
@@ -429,6 +436,9 @@ def merge(paths: list[Path], out: Path, note: str | None) -> None:
         data["rows"] = [r for r in data["rows"] if key(r) not in keys] + part["rows"]
         data["notes"] = [n for n in data["notes"] if n not in part.get("notes", [])] + part.get("notes", [])
         data["meta"] = dict(part["meta"])
+    order = {name: i for i, name in enumerate([*MODELS, *VARIANTS])}
+    data["rows"].sort(key=lambda r: (r["gpu"], str(r["commit"]), r.get("packed", False), order.get(r["model"], 99),
+                                     r["batch"], r["seq"], order.get(r["variant"], 99)))
     data["meta"]["gpu"] = " and ".join(dict.fromkeys(r["gpu"] for r in data["rows"]))
     data["meta"]["commit"] = ", ".join(dict.fromkeys(str(r["commit"]) for r in data["rows"]))
     if note:

@@ -121,9 +121,9 @@ def test_merge_keeps_each_rows_gpu_and_commit_and_takes_ratios_within_them(tmp_p
                  part("h", "H200", "c1", {"hf_eager": 2000.0, "coda": 5000.0, "coda_compile": 6000.0}),
                  part("h2", "H200", "c2", {"hf_eager": 3000.0, "coda": 4500.0})], tmp_path / "out", None)
     data = json.loads((tmp_path / "out" / "train.json").read_text())
-    assert sorted((r["gpu"], r["commit"], r["variant"]) for r in data["rows"]) == [
-        ("A100", "c1", "coda"), ("A100", "c1", "hf_eager"), ("H200", "c1", "coda_compile"),
-        ("H200", "c2", "coda"), ("H200", "c2", "hf_eager")]
+    assert [(r["gpu"], r["commit"], r["variant"]) for r in data["rows"]] == [  # listed by GPU, commit, variant
+        ("A100", "c1", "hf_eager"), ("A100", "c1", "coda"), ("H200", "c1", "coda_compile"),
+        ("H200", "c2", "hf_eager"), ("H200", "c2", "coda")]
     assert data["meta"]["gpu"] == "A100 and H200"
     md = (tmp_path / "out" / "train.md").read_text()
     assert "| GPU | commit | model |" in md

@@ -122,7 +122,7 @@ def measure(model_name: str, variant: str, packed: bool, batch: int, seq: int) -
         end.record()
         end.synchronize()
         events.append(start.elapsed_time(end))
-    kernels = train.breakdown(step)
+    kernels, _ = train.breakdown(step)
     row = {"model": model_name, "variant": variant, "packed": packed,
            "step_ms": sorted(events)[2], "host_enqueue_ms": sorted(host)[2], "kernel_ms": kernels["total"],
            "sync_sites": _sync_sites(step), "host_profile": _host_profile(step)}

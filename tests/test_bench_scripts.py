@@ -430,3 +430,18 @@ def test_compile_times_runs_random_programs_and_tables_them() -> None:
     table = compile_times.table([run, slow])
     assert "| triton | 2 | 0 |" in table
     assert "| auto | 3 | 1 | 16.00 | 16.00 | 1 | timed out after 9 s |" in table
+
+
+def test_attention_layout_table_compares_each_layout_with_codas() -> None:
+    """bench/tools/attention_layout.py's table: each layout's forward + backward against coda's own at the
+    same model and output-gradient layout."""
+    import attention_layout
+
+    rows = [{"model": "m", "layout": name, "grad": grad, "fwd_ms": 0.5, "fwd_bwd_ms": ms}
+            for name, grad, ms in (("coda: slices of the fused QKV", "token-major", 2.0),
+                                   ("coda: slices of the fused QKV", "head-major", 4.0),
+                                   ("separate projections", "token-major", 1.0),
+                                   ("separate projections", "head-major", 3.0))]
+    table = attention_layout.table(rows)
+    assert "| m | separate projections | token-major | 0.500 | 1.000 | 0.500 |" in table
+    assert "| m | separate projections | head-major | 0.500 | 3.000 | 0.750 |" in table

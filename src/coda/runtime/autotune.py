@@ -37,7 +37,7 @@ from .backends import backend_of
 from .cache import atomic_write, cache_dir
 from .env import env_flag
 from .config import Config, check_config, default_config, min_block_n
-from .resources import misfit, smem_bytes
+from .resources import HOPPER_SMEM_BYTES, SharedMemory, misfit, smem_bytes
 
 MARGIN = 0.03  # a tuned config must be this much faster than the default to be kept
 DUEL_ROUNDS = 3  # alternating timings of the default and the best at the end
@@ -136,8 +136,10 @@ def group_variants(cfg: Config, m: int) -> list[Config]:
     return out
 
 
-def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int, n: int) -> str | None:
-    """Why cfg cannot (or need not) run this graph, or None if it is a candidate."""
+def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int, n: int,
+                 limit: int = HOPPER_SMEM_BYTES) -> str | None:
+    """Why cfg cannot (or need not) run this graph on a GPU whose blocks may use `limit` bytes of
+    shared memory, or None if it is a candidate."""
     if cfg.epi_n < min_block_n(graph):
         return (f"block_n {cfg.block_n} / subtile {cfg.subtile} cannot hold whole reduction groups "
                 f"(needs {min_block_n(graph)})")
@@ -146,7 +148,7 @@ def prune_reason(graph: Graph, cfg: Config, in_size: int, out_size: int, m: int,
             cols = cfg.epi_n * graph.node(node.x).frac_width
             if cols < 2 or cols % 2:
                 return f"pairs need an even column count per tile, got {cols}"
-    too_large = misfit(cfg, smem_bytes(graph, cfg, in_size, out_size))
+    too_large = misfit(cfg, smem_bytes(graph, cfg, in_size, out_size), limit)
     if too_large is not None:
         return too_large
     if cfg.block_m > 64 and cfg.block_m > 2 * m or cfg.block_n > 64 and cfg.block_n > 2 * n:
@@ -289,7 +291,7 @@ def _decide(best: Config, timings: dict[Config, float], default: Config | None,
 
 
 def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str,
-              smem: Callable[[Config], int] | None = None) -> Config | None:
+              smem: SharedMemory | None = None) -> Config | None:
     """The default config as the tuner times it, or None where no default fits the call. With no
     tile output the TMA-store flag changes nothing, and the space drops it: so does this."""
     try:
@@ -305,7 +307,7 @@ def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str,
 def choose(
     graph: Graph, key: TuneKey, in_dtype: str, in_size: int, out_size: int, m: int, n: int, k: int,
     launch: Callable[[Config], object], spills: Callable[[Config], int | None],
-    smem: Callable[[Config], int] | None = None,
+    smem: SharedMemory | None = None,
 ) -> Config:
     """The config for this call: the default of the first of `key.backends`, fitted by `smem`
     (CODA_AUTOTUNE=0), or the key's cached entry, or a fresh tuning over `key.backends`."""
@@ -326,7 +328,7 @@ def choose(
                 _say(f"cached config for {graph.name} no longer valid; retuning")
 
     def keep(cfg: Config) -> bool:
-        return prune_reason(graph, cfg, in_size, out_size, m, n) is None
+        return prune_reason(graph, cfg, in_size, out_size, m, n, smem.limit if smem else HOPPER_SMEM_BYTES) is None
 
     space = config_space(in_dtype, key.backends)
     if not any(isinstance(o, StoreOutput) for o in graph.outputs):  # nothing to store through TMA

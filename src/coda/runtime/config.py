@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import logging
 from fractions import Fraction
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -15,7 +14,7 @@ from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput
 from ..ir.primitives import Backend
 from .backends import backend_of
-from .resources import misfit, run_smem_bytes
+from .resources import SharedMemory, misfit, run_smem_bytes
 
 log = logging.getLogger("coda")
 
@@ -114,17 +113,17 @@ def check_config(graph: Graph, config: Config) -> None:
 
 
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
-                   backend: Backend = "triton", smem: Callable[[Config], int] | None = None) -> Config:
+                   backend: Backend = "triton", smem: SharedMemory | None = None) -> Config:
     """A reasonable config without tuning: `backend`'s own (its module's `default_config`), on a
     GPU within the code budget and one that fits it (`fit_default`)."""
     return backend_of(backend).default_config(graph, in_dtype, interpret, m, n, k, smem)
 
 
-def fit_default(graph: Graph, cfg: Config, in_size: int, smem: Callable[[Config], int] | None) -> Config:
+def fit_default(graph: Graph, cfg: Config, in_size: int, smem: SharedMemory | None) -> Config:
     """A backend's default `cfg` within the code budget (`within_budget`) and fitted to the GPU
-    (`fitted`), its shared memory measured by `smem` (by default: Tile operands and tile outputs
-    of `in_size` bytes, all of them TMA-legal)."""
-    smem = smem or (lambda c: run_smem_bytes(graph, c, in_size, in_size))
+    (`fitted`), its shared memory and the GPU's limit by `smem` (by default: Tile operands and
+    tile outputs of `in_size` bytes, all of them TMA-legal, on sm_90)."""
+    smem = smem or SharedMemory(lambda c: run_smem_bytes(graph, c, in_size, in_size))
     budgeted = within_budget(graph, cfg)
     try:
         return fitted(graph, budgeted, smem)
@@ -187,7 +186,7 @@ def _below(cfg: Config, need: int) -> list[dict[str, object]]:
     return [update for _, update in options]
 
 
-def _search(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int) -> tuple[Config | None, str | None]:
+def _search(graph: Graph, cfg: Config, smem: SharedMemory, need: int) -> tuple[Config | None, str | None]:
     """The first legal config of `_below(cfg, need)` that fits, else (None, why the smallest
     legal one does not; None when none is legal)."""
     why = None
@@ -196,24 +195,24 @@ def _search(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int)
             c = Config.model_validate({**cfg.model_dump(), **update})
         except ValidationError:
             continue
-        why = misfit(c, smem(c))
+        why = misfit(c, smem(c), smem.limit)
         if why is None:
             return c, None
     return None, why
 
 
-def fitted(graph: Graph, cfg: Config, smem: Callable[[Config], int]) -> Config:
-    """`cfg` if it fits an sm_90 GPU (`resources.misfit`, its shared memory by `smem`), else the
+def fitted(graph: Graph, cfg: Config, smem: SharedMemory) -> Config:
+    """`cfg` if it fits the GPU (`resources.misfit`, its shared memory and the limit by `smem`), else the
     largest config below it that does and still holds whole reduction groups (`_below`); a
     debug log says which runs instead. Raises ValueError, before anything launches, naming the
     grouped reductions and Tile operands and the largest groups that would fit, when none does."""
-    if misfit(cfg, smem(cfg)) is None:
+    if misfit(cfg, smem(cfg), smem.limit) is None:
         return cfg
     need = min_block_n(graph)
     found, why = _search(graph, cfg, smem, need)
     if found is not None:
         log.debug("coda: %s: the default %s config (%s) does not fit the GPU: %s; running %s instead", graph.name,
-                  cfg.backend, _shape(cfg), misfit(cfg, smem(cfg)), _shape(found))
+                  cfg.backend, _shape(cfg), misfit(cfg, smem(cfg), smem.limit), _shape(found))
         return found
     raise ValueError(_no_fit(graph, cfg, smem, need, why))
 
@@ -223,11 +222,11 @@ def _shape(cfg: Config) -> str:
             f"{', cooperative' if cfg.cooperative else ''}")
 
 
-def _no_fit(graph: Graph, cfg: Config, smem: Callable[[Config], int], need: int, why: str | None) -> str:
-    """The sentence for a program no config of cfg's backend can run on sm_90."""
+def _no_fit(graph: Graph, cfg: Config, smem: SharedMemory, need: int, why: str | None) -> str:
+    """The sentence for a program no config of cfg's backend can run on the GPU."""
     groups = [o for o in graph.outputs if isinstance(o, ReduceOutput) and o.group is not None]
     tiles = [s.name for s in graph.operands if s.kind.value == "tile"]
-    text = f"no {cfg.backend} config can run epilogue {graph.name!r} on an sm_90 GPU: "
+    text = f"no {cfg.backend} config can run epilogue {graph.name!r} on this GPU: "
     if why is None:
         text += f"none of its tiles holds {need} columns in one epilogue subtile"
     else:

@@ -25,7 +25,37 @@ def num_programs(device: torch.device) -> int:
     (enough to exercise the persistent tile loop; set CODA_INTERPRET_PROGRAMS to change)."""
     if interpreting():
         return env_int("CODA_INTERPRET_PROGRAMS", 3)
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether tensors on `device` should move through TMA: on sm_90 and later. Before Hopper,
+    Triton 3.6 emulates tensor descriptors with plain loads that its pipeliner leaves unstaged (an
+    sm_80 compile of rms_swiglu: no cp.async), where pointer loads get cp.async stages. Off the GPU
+    (the interpreter, AOT compiles from CPU tensors) kernels are those for sm_90: yes."""
+    return device.type != "cuda" or _capability(_index(device))[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def smem_limit(device: torch.device, hopper: int) -> int:
+    """Shared memory one block may use on `device`, as Triton checks it before a launch (sm_80:
+    163 KiB, sm_86/89: 99 KiB); off the GPU `hopper`, sm_90's (kernels are those for sm_90)."""
+    return hopper if device.type != "cuda" else _smem_limit(_index(device))
 
 
 def device_name(device: torch.device) -> str:

@@ -15,7 +15,7 @@ compiler's scratch); what a launch and an AOT compile pass its kernel (`STRIDE_A
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from pydantic import ValidationError
@@ -25,7 +25,7 @@ from ..codegen.size import code_size
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from .config import GLUON_CONSUMERS, Config, fit_default, min_block_n
-from .resources import BARRIER_BYTES, HOPPER_SMEM_BYTES, Staged, ring_bytes, smem_bytes, staging_bytes
+from .resources import BARRIER_BYTES, HOPPER_SMEM_BYTES, SharedMemory, Staged, ring_bytes, smem_bytes, staging_bytes
 from .specialize import make_spec, smem_of, spec_fields
 from .validate import Call
 
@@ -62,7 +62,7 @@ def check(cfg: Config) -> None:
 
 
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
-                   smem: Callable[[Config], int] | None = None) -> Config:
+                   smem: SharedMemory | None = None) -> Config:
     """`_default` within the code budget and fitted to the GPU (`config.fit_default`, `smem`
     measuring a config's shared memory); `interpret` changes nothing: Gluon kernels do not run
     under the interpreter (`unsupported`)."""

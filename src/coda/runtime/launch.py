@@ -19,7 +19,7 @@ from . import autotune, choose
 from .backends import backend_of
 from .cache import stats
 from .config import Config, check_config, default_config
-from .device import interpreting, num_programs
+from .device import interpreting, num_programs, smem_limit
 from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
 from .resources import HOPPER_SMEM_BYTES
@@ -104,10 +104,10 @@ def _check_fits(call: Call, cfg: Config) -> None:
     """A given config must fit the GPU's shared memory: say so before anything launches (Triton's
     OutOfResources would come from inside the launch). Its registers are the caller's choice:
     Triton spills, and gluon-hopper's register budget is a Config rule."""
-    need = call_smem_bytes(call, cfg)
-    if need > HOPPER_SMEM_BYTES:
-        raise ValueError(f"coda.gemm: the given Config cannot run epilogue {call.graph.name!r} on an sm_90 GPU: it "
-                         f"needs {need} bytes of shared memory (at most {HOPPER_SMEM_BYTES}); pass a smaller one "
+    need, limit = call_smem_bytes(call, cfg), smem_limit(call.a.device, HOPPER_SMEM_BYTES)
+    if need > limit:
+        raise ValueError(f"coda.gemm: the given Config cannot run epilogue {call.graph.name!r} on this GPU: it "
+                         f"needs {need} bytes of shared memory (at most {limit}); pass a smaller one "
                          f"(fewer num_stages, more subtiles, smaller blocks) or none")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..ir.graph import Graph
 from ..ir.nodes import StoreOutput
@@ -38,6 +38,19 @@ def staging_bytes(cfg: Config, width: Fraction, out_size: int) -> int:
     """Shared memory staging one TMA-loaded or TMA-stored epilogue tile of the given width (one
     subtile's: the subtiles of a tile reuse the buffer, as sm_90 compiles show)."""
     return cfg.epi_m * int(cfg.epi_n * width) * out_size
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    """What a config must fit: its kernel's shared memory under a config (`need`, called as
+    `smem(cfg)`), and what one block may use on the GPU that runs it (`limit`; sm_90's where the
+    kernel is compiled for sm_90 off the GPU)."""
+
+    need: Callable[[Config], int]
+    limit: int = HOPPER_SMEM_BYTES
+
+    def __call__(self, cfg: Config) -> int:
+        return self.need(cfg)
 
 
 @dataclass(frozen=True)
@@ -111,10 +124,11 @@ def acc_regs(cfg: Config) -> int:
     return cfg.epi_m * cfg.block_n // (32 * cfg.num_warps)
 
 
-def misfit(cfg: Config, smem: int) -> str | None:
-    """Why `cfg`, needing `smem` bytes of shared memory, does not fit an sm_90 GPU, or None."""
+def misfit(cfg: Config, smem: int, limit: int = HOPPER_SMEM_BYTES) -> str | None:
+    """Why `cfg`, needing `smem` bytes of shared memory, does not fit a GPU whose blocks may use
+    `limit` bytes (sm_90's by default), or None."""
     if acc_regs(cfg) > MAX_ACC_REGS:
         return f"its accumulator needs {acc_regs(cfg)} registers a thread (at most {MAX_ACC_REGS})"
-    if smem > HOPPER_SMEM_BYTES:
-        return f"it needs {smem} bytes of shared memory (at most {HOPPER_SMEM_BYTES})"
+    if smem > limit:
+        return f"it needs {smem} bytes of shared memory (at most {limit} on this GPU)"
     return None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..codegen import OperandForm, Specialization
@@ -12,7 +10,8 @@ from ..ir.types import Kind
 from . import tma
 from .cache import load_kernel, stats
 from .config import Config
-from .resources import Staged, staging
+from .device import smem_limit
+from .resources import HOPPER_SMEM_BYTES, SharedMemory, Staged, staging
 from .validate import IN_DTYPES, Call
 
 
@@ -43,9 +42,10 @@ def call_smem_bytes(call: Call, cfg: Config) -> int:
     return _staging(call, cfg)[2]
 
 
-def smem_of(call: Call) -> Callable[[Config], int]:
-    """The shared memory of this call's kernel under a config (what the default must fit)."""
-    return lambda cfg: call_smem_bytes(call, cfg)
+def smem_of(call: Call) -> SharedMemory:
+    """The shared memory of this call's kernel under a config, and what its GPU allows a block
+    (what the default must fit)."""
+    return SharedMemory(lambda cfg: call_smem_bytes(call, cfg), smem_limit(call.a.device, HOPPER_SMEM_BYTES))
 
 
 def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:

@@ -6,11 +6,15 @@ import torch
 
 from ..ir.nodes import StoreOutput
 from .config import Config
+from .device import has_tma
 from .validate import Call
 
 
 def tma_ok(t: torch.Tensor, major: int) -> bool:
-    """TMA needs a unit stride on the `major`-th dim, a 16-byte aligned base and other stride."""
+    """TMA needs a GPU that has it (`device.has_tma`), a unit stride on the `major`-th dim, a
+    16-byte aligned base and other stride."""
+    if not has_tma(t.device):
+        return False
     other = 1 - major
     size = t.element_size()
     return (
@@ -40,9 +44,9 @@ def store_ok(call: Call, o: StoreOutput, cfg: Config) -> bool:
     if not box_ok(cfg, cfg.epi_n * call.graph.node(o.x).frac_width, call.out_dtype(o).itemsize):
         return False
     t = call.out.get(o.name)
-    if t is None:  # gemm() allocates it row-major; only the row pitch can break alignment
+    if t is None:  # gemm() allocates it row-major on a's device; only the row pitch can break alignment
         row_bytes = call.output_shape(o)[1] * call.out_dtype(o).itemsize
-        return row_bytes % 16 == 0
+        return has_tma(call.a.device) and row_bytes % 16 == 0
     return tma_ok(t, 1)
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import itertools
 from fractions import Fraction
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..codegen.size import code_size
 from ..ir.graph import Graph
 from ..ir.nodes import ReduceOutput, StoreOutput
 from .config import Config, fit_default, min_block_n
-from .resources import BARRIER_BYTES, Staged, ring_bytes, staging_bytes
+from .resources import BARRIER_BYTES, SharedMemory, Staged, ring_bytes, staging_bytes
 
 
 # -- the configs it runs, its default --------------------------------------------------------------
@@ -34,7 +34,7 @@ def check(cfg: Config) -> None:
 
 
 def default_config(graph: Graph, in_dtype: str, interpret: bool, m: int, n: int, k: int,
-                   smem: Callable[[Config], int] | None = None) -> Config:
+                   smem: SharedMemory | None = None) -> Config:
     """Under the interpreter small tiles (no shared memory to fit); on a GPU a tile by dtype and
     epilogue, widened to hold whole groups, within the code budget and fitted to the GPU
     (`config.fit_default`, `smem` measuring a config's shared memory)."""

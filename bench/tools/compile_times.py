@@ -28,14 +28,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))  # the random-program generator and its reference check
 
+Shapes = tuple[tuple[int, int, int], ...]
 # (M, N, K): the issue's slow first calls (three reductions at M=1, N=64, K=8192; grouped max
 # reductions at M=1, N=2048, K=64; width-2 operands at M=129, N=2048, K=16), its OutOfResources
 # shapes (M=128 and 7 at N=4096, K=1024), and a full tile grid.
-SHAPES = ((1, 64, 8192), (1, 2048, 64), (129, 2048, 16), (128, 4096, 1024), (7, 4096, 1024), (1024, 1024, 512))
+SHAPES: Shapes = ((1, 64, 8192), (1, 2048, 64), (129, 2048, 16), (128, 4096, 1024), (7, 4096, 1024), (1024, 1024, 512))
 LIMIT_S = 15.0
 
 
-def draw_programs(per_shape: int, shapes=SHAPES) -> list[tuple[tuple[int, int, int], object]]:
+def draw_programs(per_shape: int, shapes: Shapes = SHAPES) -> list[tuple[tuple[int, int, int], object]]:
     """`per_shape` random programs for each shape, the same on every run (derandomized)."""
     from hypothesis import Phase, given, settings
     from test_properties import SETTINGS, programs
@@ -54,7 +55,7 @@ def draw_programs(per_shape: int, shapes=SHAPES) -> list[tuple[tuple[int, int, i
     return drawn
 
 
-def measure_backend(per_shape: int, shapes=SHAPES) -> list[dict]:
+def measure_backend(per_shape: int, shapes: Shapes = SHAPES) -> list[dict]:
     """In this process (its backend and caches set by the caller): every program's first call."""
     import torch
 
@@ -91,7 +92,7 @@ def measure_backend(per_shape: int, shapes=SHAPES) -> list[dict]:
     return rows
 
 
-def run_backend(backend: str, per_shape: int, timeout: float, shapes=SHAPES) -> dict:
+def run_backend(backend: str, per_shape: int, timeout: float, shapes: Shapes = SHAPES) -> dict:
     """One fresh process for `backend` on empty caches; its rows, or why it stopped."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, CODA_CACHE_DIR=f"{tmp}/coda", TRITON_CACHE_DIR=f"{tmp}/triton",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import strategies as st
 
 import coda
 from coda.ops import epilogues as E
@@ -16,6 +18,7 @@ from coda.runtime import config, specialize, tma
 from coda.runtime.resources import SharedMemory
 from coda.runtime.validate import validate
 from aot_worker import AotWorker, script
+from test_resources import wide_programs
 
 SM80, SM86 = 166912, 101376  # Triton's max_shared_mem on those GPUs
 
@@ -108,7 +111,10 @@ WORKER = script('''
         m, n, k = req["shape"]
         call = call_of(graph, m, n, k)
         smem = SharedMemory(lambda c: specialize.call_smem_bytes(call, c), req["limit"])
-        cfg = config.default_config(graph, "bfloat16", False, m, n, k, "triton", smem)
+        try:
+            cfg = config.default_config(graph, "bfloat16", False, m, n, k, "triton", smem)
+        except ValueError as exc:  # no config fits: the sentence
+            return {"refused": str(exc)}
         r = aot.compile_call(call, cfg)
         return {"shared": r.shared, "model": smem(cfg), "cp_async": r.ptx.count("cp.async"),
                 "tma": r.ptx.count("cp.async.bulk.tensor"), "config": f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages}"}
@@ -127,15 +133,38 @@ def f(acc, t: coda.Tile, u: coda.Tile(width=2)):
 '''
 
 
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory):
+    with AotWorker(tmp_path_factory.mktemp("older_gpus"), WORKER, timeout_s=600) as w:
+        yield w
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,limit", [(80, SM80), (86, SM86)])
-def test_defaults_compile_within_older_gpus_shared_memory_and_pipeline(tmp_path, arch: int, limit: int) -> None:
+def test_defaults_compile_within_older_gpus_shared_memory_and_pipeline(worker: AotWorker, arch: int,
+                                                                       limit: int) -> None:
     """Each default, fitted to the GPU's limit, compiles for it within that limit (the model an upper
     bound of the compile), pipelining its operand loads with cp.async and never through TMA."""
-    with AotWorker(tmp_path, WORKER, timeout_s=600) as worker:
-        for name, shape in [*CASES.items(), ("grouped", (128, 4096, 1024))]:
-            req = {"arch": arch, "limit": limit, "shape": shape}
-            req.update({"source": GROUPED} if name == "grouped" else {"name": name})
-            r = worker.request(req, f"{name} on sm_{arch}: ")
-            assert r["shared"] <= r["model"] <= limit, (name, r)
-            assert r["cp_async"] > 0 and r["tma"] == 0, (name, r)
+    for name, shape in [*CASES.items(), ("grouped", (128, 4096, 1024))]:
+        req = {"arch": arch, "limit": limit, "shape": shape}
+        req.update({"source": GROUPED} if name == "grouped" else {"name": name})
+        r = worker.request(req, f"{name} on sm_{arch}: ")
+        assert r["shared"] <= r["model"] <= limit, (name, r)
+        assert r["cp_async"] > 0 and r["tma"] == 0, (name, r)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(source=wide_programs(), m=st.sampled_from([128, 1024]), n=st.sampled_from([2048, 4096]))
+def test_random_wide_programs_fit_sm86(worker: AotWorker, source: str, m: int, n: int) -> None:
+    """Random programs with many outputs, large groups, width-2 Tiles and pairs: the default fitted to
+    sm_86's 99 KiB compiles for sm_86 within it, or no config fits and a sentence says which groups
+    would (never an OutOfResources at launch)."""
+    note(source)
+    r = worker.request({"arch": 86, "limit": SM86, "shape": (m, n, 1024), "source": source})
+    note(str(r))
+    if "refused" in r:
+        assert "on this GPU" in r["refused"] and "group <= " in r["refused"], r
+        return
+    assert r["shared"] <= r["model"] <= SM86, r

@@ -4,11 +4,11 @@ drains the queue, and the GPU then idles while Python launches the next kernels)
 line that asked for it.
 
 It says whether a step's time beyond its kernels is host launch time or synchronizations, and where
-they come from. On the H200 at 296fb23 (bench/results/step_gaps_296fb23/), gemma3-1b coda: packed, a 144.5 ms step, 116.1 ms of kernels,
-118.9 ms to enqueue, three syncs (two of them the document starts, read once a step since); unpacked,
-153.1 ms, 118.4 ms of kernels and 141.3 ms to enqueue with no sync: host-bound. Each row also
-holds a host profile of the enqueue (cProfile, grouped by coda module, torch package and builtin) to
-say where that host time goes.
+they come from. On the H200 at 296fb23 (bench/results/step_gaps_296fb23/) Gemma 3 was host-bound
+(unpacked: a 153.1 ms step, 118.4 ms of kernels, 141.3 ms to enqueue); on the H100 at 3315958
+(bench/results/step_gaps_3315958/) every family is GPU-bound (Gemma 3: 136.3, 129.8, 84.1 ms).
+Each row also holds a host profile of the enqueue (cProfile, grouped by coda module, torch
+package and builtin) to say where that host time goes.
 
     python bench/tools/step_gaps.py --out DIR [--models gemma3-1b] [--variants coda] [--packed]
 """

@@ -8,6 +8,7 @@ import torch
 
 from .._platform import INTERPRET
 from .env import env_int
+from .resources import HOPPER_SMEM_BYTES
 
 
 def interpreting() -> bool:
@@ -52,10 +53,10 @@ def _smem_limit(index: int) -> int:
     return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
-def smem_limit(device: torch.device, hopper: int) -> int:
-    """Shared memory one block may use on `device`, as Triton checks it before a launch (sm_80:
-    163 KiB, sm_86/89: 99 KiB); off the GPU `hopper`, sm_90's (kernels are those for sm_90)."""
-    return hopper if device.type != "cuda" else _smem_limit(_index(device))
+def smem_limit(device: torch.device) -> int:
+    """Shared memory one block may use on `device`, as Triton checks it before a launch (sm_90:
+    227 KiB, sm_80: 163 KiB, sm_86/89: 99 KiB); off the GPU sm_90's (kernels are those for sm_90)."""
+    return HOPPER_SMEM_BYTES if device.type != "cuda" else _smem_limit(_index(device))
 
 
 def device_name(device: torch.device) -> str:

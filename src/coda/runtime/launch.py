@@ -22,7 +22,6 @@ from .config import Config, check_config, default_config
 from .device import interpreting, num_programs, smem_limit
 from .empty import empty_outputs, is_degenerate, zero_k_inputs
 from .plan import Plan
-from .resources import HOPPER_SMEM_BYTES
 from . import guard
 from .specialize import call_smem_bytes, kernel_for, smem_of, specialize
 from .threads import build_lock
@@ -104,7 +103,7 @@ def _check_fits(call: Call, cfg: Config) -> None:
     """A given config must fit the GPU's shared memory: say so before anything launches (Triton's
     OutOfResources would come from inside the launch). Its registers are the caller's choice:
     Triton spills, and gluon-hopper's register budget is a Config rule."""
-    need, limit = call_smem_bytes(call, cfg), smem_limit(call.a.device, HOPPER_SMEM_BYTES)
+    need, limit = call_smem_bytes(call, cfg), smem_limit(call.a.device)
     if need > limit:
         raise ValueError(f"coda.gemm: the given Config cannot run epilogue {call.graph.name!r} on this GPU: it "
                          f"needs {need} bytes of shared memory (at most {limit}); pass a smaller one "

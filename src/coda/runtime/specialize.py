@@ -11,7 +11,7 @@ from . import tma
 from .cache import load_kernel, stats
 from .config import Config
 from .device import smem_limit
-from .resources import HOPPER_SMEM_BYTES, SharedMemory, Staged, staging
+from .resources import SharedMemory, Staged, staging
 from .validate import IN_DTYPES, Call
 
 
@@ -45,7 +45,7 @@ def call_smem_bytes(call: Call, cfg: Config) -> int:
 def smem_of(call: Call) -> SharedMemory:
     """The shared memory of this call's kernel under a config, and what its GPU allows a block
     (what the default must fit)."""
-    return SharedMemory(lambda cfg: call_smem_bytes(call, cfg), smem_limit(call.a.device, HOPPER_SMEM_BYTES))
+    return SharedMemory(lambda cfg: call_smem_bytes(call, cfg), smem_limit(call.a.device))
 
 
 def spec_fields(call: Call, interpret: bool, cfg: Config | None = None) -> tuple:

@@ -127,10 +127,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--per-shape", type=int, default=8)
-    ap.add_argument("--shapes", help="MxNxK,... instead of the issue's shapes (e.g. 3x16x8 for a CPU smoke run)")
+    ap.add_argument("--shapes", help="MxNxK,... instead of the issue's shapes (a tiny one, e.g. 3x16x8, lets the "
+                                     "tests run a backend's worker on the CPU)")
     ap.add_argument("--backends", default="auto,triton", help="CODA_BACKEND values, one process each")
     ap.add_argument("--timeout", type=float, default=240, help="seconds a backend's process may run")
-    ap.add_argument("--merge", type=Path, help="re-render a measured JSON (runs anywhere), with --note")
+    ap.add_argument("--merge", type=Path, help="re-render a measured JSON (runs anywhere)")
     ap.add_argument("--note", help="a paragraph for the page: when, where, the command")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -141,23 +142,15 @@ def main() -> None:
     if args.out is None:
         ap.error("--out is required")
     import harness
-    import torch
 
-    if args.merge:
-        data = json.loads(args.merge.read_text())
-        harness.write_results(args.out, "compile_times", data, table(data["runs"]), (args.note,) if args.note else ())
-        return
-    if not torch.cuda.is_available() and not args.shapes:
-        sys.exit("compile_times.py measures on a CUDA GPU (on the CPU only tiny --shapes); --merge runs anywhere")
-    runs = [run_backend(b, args.per_shape, args.timeout, shapes) for b in args.backends.split(",")]
     protocol = ("Random programs of tests/test_properties.py (derandomized), per shape in "
                 f"{', '.join('x'.join(map(str, s)) for s in shapes)}, bf16 a and b; each backend in a fresh process on "
                 "empty caches, CODA_AUTOTUNE=0; first call = wall clock to a device synchronize; each result checked "
                 "against its fp32 reference.")
-    data = {"meta": harness.run_meta(protocol), "runs": runs, "notes": []}
-    harness.write_results(args.out, "compile_times", data, table(runs))
-    print(table(runs))
-
+    data = harness.measured_or_merged(args.merge, "compile_times.py", protocol, lambda: {
+        "runs": [run_backend(b, args.per_shape, args.timeout, shapes) for b in args.backends.split(",")]})
+    harness.write_results(args.out, "compile_times", data, table(data["runs"]), (args.note,) if args.note else ())
+    print(table(data["runs"]))
 
 if __name__ == "__main__":
     main()

@@ -423,10 +423,9 @@ def markdown(data: dict, name: str) -> str:
 
 def merge(paths: list[Path], out: Path, note: str | None) -> None:
     """One table from the JSON of one or more runs (device calls); a later row replaces an earlier
-    one of the same GPU, model, shape, packing and variant; rows are listed by GPU, commit, packing, model
-    and variant. Each row keeps its run's GPU and commit,
-    and the meta names the GPUs and commits of the rows kept, each once (a loan may give an H100 for
-    an H200)."""
+    one of the same GPU, model, shape, packing and variant; rows are listed by GPU, commit, packing,
+    model and variant. Each row keeps its run's GPU and commit, and the meta names the GPUs and
+    commits of the rows kept, each once (a loan may give an H100 for an H200)."""
     data: dict = {"rows": [], "notes": []}
     for path in paths:
         part = json.loads(path.read_text())

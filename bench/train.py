@@ -5,6 +5,7 @@ Models (transformers classes at the published shapes, random init):
   qwen3-1.7b   D=2048, FFN=6144, 28 layers, 16 q / 8 kv heads of 128, QK-norm, V=151936, tied
   gemma3-1b    D=1152, FFN=6912, 26 layers, 4 q / 1 kv heads of 256, V=262144, tied, sliding window 512
                on 5 of every 6 layers
+  qwen2.5-1.5b D=1536, FFN=8960, 28 layers, 12 q / 2 kv heads of 128, q/k/v biases, V=151936, tied
   olmo2-1b     D=2048, FFN=8192, 16 layers, 16 heads of 128, V=100352, untied; post-norms, whole-width
                q/k norms (OLMo-2-0425-1B's shape)
 Variants, each in its own process (patching libraries change classes globally):
@@ -89,6 +90,10 @@ MODELS = {
         head_dim=256, vocab_size=262144, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
         query_pre_attn_scalar=256, sliding_window=512),  # (every 6th layer global: transformers' default pattern)
         tiny=dict(_TINY, num_key_value_heads=1, query_pre_attn_scalar=16, sliding_window=4)),
+    "qwen2.5-1.5b": Family("Qwen2Config", "Qwen2ForCausalLM", dict(  # q/k/v biases
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), tiny=_TINY),
     "olmo2-1b": Family("Olmo2Config", "Olmo2ForCausalLM", dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
         vocab_size=100352, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,

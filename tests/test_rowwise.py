@@ -104,6 +104,35 @@ def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype, n: int) -> No
     torch.testing.assert_close(zdz.double(), (z.double() * dz.double()).sum(-1), rtol=0, atol=bound)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [scale(40, 2048), 600], ids=["one_chunk", "chunks_and_tail"])
+def test_rope_pairs_rotates_and_its_op_backward_is_the_transpose(dtype: torch.dtype, n: int) -> None:
+    """x's adjacent pairs rotated by +theta (rounded once), and the op's gradient dy rotated by
+    -theta: the transpose, so <rope(x), dy> = <x, grad> up to the roundings."""
+    from coda.ops.rope import rope_pairs
+
+    m = 9
+    pos = torch.arange(m, device=DEVICE) * 37
+    freq = torch.rand(n // 2, device=DEVICE)
+    x = torch.randn(m, n, device=DEVICE).to(dtype).requires_grad_()
+    out = rope_pairs(x, pos, freq)
+    theta = (pos[:, None].float() * freq[None, :]).double()  # the angle is fp32, as in the GEMM epilogues
+    c, s = theta.cos(), theta.sin()
+    a, b = x.detach().double()[:, 0::2], x.detach().double()[:, 1::2]
+    want = torch.stack([a * c - b * s, a * s + b * c], -1).reshape(m, n)
+    assert out.dtype == dtype and out.shape == (m, n)
+    atol = 8 * EPS[torch.float32] * x.detach().abs().max().item()
+    torch.testing.assert_close(out.double(), want, rtol=EPS[dtype], atol=atol)
+    dy = torch.randn(m, n, device=DEVICE).to(dtype)
+    out.backward(dy)
+    da, db = dy.double()[:, 0::2], dy.double()[:, 1::2]
+    want_grad = torch.stack([da * c + db * s, db * c - da * s], -1).reshape(m, n)
+    torch.testing.assert_close(x.grad.double(), want_grad, rtol=EPS[dtype],
+                               atol=8 * EPS[torch.float32] * dy.abs().max().item())
+    with pytest.raises(ValueError, match="even number of columns"):
+        rowwise.rope_pairs(torch.zeros(2, 3, device=DEVICE), pos[:2], freq[:1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n", [0, 7, 4096 + 5])
 def test_scale_cast_rounds_once(dtype: torch.dtype, n: int) -> None:

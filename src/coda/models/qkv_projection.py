@@ -24,6 +24,7 @@ from ..ops import epilogues as E
 from ..ops.layout import permute_rope_rows
 from ..ops.qknorm import qknorm_columns, qknorm_weight_grads
 from ..ops.rmsnorm import rmsnorm
+from ..ops.rope import rope_pairs
 from ..ops.rowwise import rope_backward
 from ..runtime import gemm
 
@@ -95,16 +96,14 @@ def whole_qk_norm_qkv(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor
     [n_kv_heads*hd] weights in HF order), then RoPE. A norm over all heads needs whole rows of the
     GEMM output, which a tile does not hold, so this is the plain QKV GEMM (pair-permuted rows, as
     every variant's), one `coda.ops.rmsnorm` row pass each for q and k (weights permuted like their
-    columns), and the rotation of each head's column pairs by pos * inv_freq ([hd/2]) in fp32, in
-    torch: row passes in place of an epilogue, the honest cost of that norm."""
+    columns), and one `rope_pairs` row pass each (inv_freq [hd/2] repeated per head): row passes in
+    place of an epilogue, the honest cost of that norm."""
     hd = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
     nq, nk = n_heads * hd, n_kv_heads * hd
-    u = F.linear(x, w_qkv)
-    q = rmsnorm(u[:, :nq], permute_rope_rows(q_norm[:, None], n_heads, hd)[:, 0], eps)
-    k = rmsnorm(u[:, nq:nq + nk], permute_rope_rows(k_norm[:, None], n_kv_heads, hd)[:, 0], eps)
-    qk = torch.cat([q, k], 1).float().view(x.shape[0], n_heads + n_kv_heads, hd // 2, 2)
-    angle = (pos.float()[:, None] * inv_freq[None, :])[:, None, :]  # [M, 1, hd/2]: every head alike
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    a, b = qk[..., 0], qk[..., 1]
-    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).view(x.shape[0], nq + nk)
-    return torch.cat([rotated.to(u.dtype), u[:, nq + nk:]], 1)
+    # split, not slices: its backward is one concatenation of the three gradients, where each
+    # slice's would write its gradient into a zeroed [M, qkv] tensor and autograd would add three
+    q, k, v = F.linear(x, w_qkv).split([nq, nk, nk], 1)
+    q = rmsnorm(q, permute_rope_rows(q_norm[:, None], n_heads, hd)[:, 0], eps)
+    k = rmsnorm(k, permute_rope_rows(k_norm[:, None], n_kv_heads, hd)[:, 0], eps)
+    freq = inv_freq.float()
+    return torch.cat([rope_pairs(q, pos, freq.repeat(n_heads)), rope_pairs(k, pos, freq.repeat(n_kv_heads)), v], 1)

@@ -1,7 +1,12 @@
-"""rope(q, k, cos, sin): transformers' apply_rotary_pos_emb as one row pass per tensor, forward and
-backward, for `coda.patch` (HF computes it as about five elementwise kernels per tensor each way:
-two products, rotate_half's slice, negation and concatenation, a sum). coda's own model rotates
-inside its QKV GEMM's epilogue instead.
+"""RoPE as row passes, forward and backward, where no GEMM epilogue can rotate:
+
+* rope(q, k, cos, sin): transformers' apply_rotary_pos_emb as one row pass per tensor, for
+  `coda.patch` (HF computes it as about five elementwise kernels per tensor each way: two
+  products, rotate_half's slice, negation and concatenation, a sum).
+* rope_pairs(x, pos, freq): the rotation of adjacent column pairs, the layout of coda's own QKV
+  rows (ops.layout.permute_rope_rows), with the angles from positions: OLMo 2's q and k after their
+  whole-width norms (a norm over all heads needs whole rows, so the QKV GEMM cannot rotate them).
+  coda's model rotates every other family inside its QKV GEMM's epilogue.
 
 The rotation is computed in fp32 and rounded once (HF rounds each product and the sum in the
 activations' dtype). cos and sin get no gradient: HF's rotary embedding computes them from
@@ -13,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .custom import fused_op
-from .rowwise import rope_halves
+from .rowwise import rope_halves, rope_pairs as rope_pairs_rows
 
 
 def _fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
@@ -55,3 +60,34 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         return _op(tokens, *rows).view(batch, seq, x.shape[1], x.shape[3]).transpose(1, 2)
 
     return one(q), one(k)
+
+
+def _pairs_fwd(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor]:
+    return (rope_pairs_rows(x, pos, freq),)
+
+
+def _pairs_fwd_fake(x, pos, freq):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),)
+
+
+def _pairs_save(x, pos, freq, *, out):
+    return pos, freq
+
+
+def _pairs_bwd(dy: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor]:
+    return (rope_pairs_rows(dy, pos, freq, inverse=True),)
+
+
+def _pairs_bwd_fake(dy, pos, freq):
+    return (torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),)
+
+
+_pairs_op = fused_op("coda::rope_pairs", forward=_pairs_fwd, fake=_pairs_fwd_fake, save=_pairs_save,
+                     backward=_pairs_bwd, backward_fake=_pairs_bwd_fake, grads=("x",))
+
+
+def rope_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """x [T, 2P] with each adjacent column pair (2i, 2i+1) rotated by pos[t] * freq[i], in fp32 and
+    rounded once (pos [T], freq [P] fp32; neither gets a gradient). Heads side by side take freq
+    repeated per head. Returns a contiguous [T, 2P] of x's dtype."""
+    return _pairs_op(x, pos, freq)

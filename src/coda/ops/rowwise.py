@@ -165,11 +165,13 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
 
 
 @triton.jit
-def _rope_backward_kernel(dz_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P, stride_dz, stride_z, stride_out,
-                          BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
+def _rope_pairs_kernel(x_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P, stride_x, stride_z, stride_out,
+                       INVERSE: tl.constexpr, DOT: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr,
+                       RNE: tl.constexpr):
     # A row in chunks of BLOCK pairs. Each chunk is read and written as 2 * BLOCK contiguous
     # columns and split into the pairs' halves in registers: wide vector loads and stores, where
     # loading the even and the odd columns separately issues two strided accesses per row.
+    # INVERSE rotates by -theta (the backward); DOT also sums z * x over the row into zdz.
     row = tl.program_id(0).to(tl.int64)
     angle = tl.load(pos_ptr + row).to(tl.float32)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
@@ -178,14 +180,18 @@ def _rope_backward_kernel(dz_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P,
         cols = 2 * start + tl.arange(0, 2 * BLOCK)
         theta = angle * tl.load(freq_ptr + pairs, mask=pairs < P, other=0.0)
         c, s = _trig(theta, 1), _trig(theta, 0)
-        da, db = tl.split(tl.reshape(tl.load(dz_ptr + row * stride_dz + cols, mask=cols < 2 * P, other=0.0)
-                                     .to(tl.float32), (BLOCK, 2)))
-        za, zb = tl.split(tl.reshape(tl.load(z_ptr + row * stride_z + cols, mask=cols < 2 * P, other=0.0)
-                                     .to(tl.float32), (BLOCK, 2)))
-        rotated = tl.interleave(da * c + db * s, db * c - da * s)
+        if INVERSE:
+            s = -s
+        a, b = tl.split(tl.reshape(tl.load(x_ptr + row * stride_x + cols, mask=cols < 2 * P, other=0.0)
+                                   .to(tl.float32), (BLOCK, 2)))
+        rotated = tl.interleave(a * c - b * s, a * s + b * c)
         tl.store(out_ptr + row * stride_out + cols, _cast(rotated, OUT, RNE), mask=cols < 2 * P)
-        dot += za * da + zb * db
-    tl.store(zdz_ptr + row, tl.sum(dot, axis=0))
+        if DOT:
+            za, zb = tl.split(tl.reshape(tl.load(z_ptr + row * stride_z + cols, mask=cols < 2 * P, other=0.0)
+                                         .to(tl.float32), (BLOCK, 2)))
+            dot += za * a + zb * b
+    if DOT:
+        tl.store(zdz_ptr + row, tl.sum(dot, axis=0))
 
 
 @triton.jit
@@ -369,27 +375,42 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
     return lse, tlogit
 
 
+def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq: torch.Tensor, inverse: bool,
+                what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x = _rows(x, f"{what}: {'dz' if z is not None else 'x'}")
+    m, n = x.shape
+    if z is not None:
+        z = _rows(z, f"{what}: z")
+        if z.shape != x.shape:
+            raise ValueError(f"{what}: dz {list(x.shape)} and z {list(z.shape)} must have one shape")
+    if n % 2:
+        raise ValueError(f"{what}: {list(x.shape)} needs an even number of columns (adjacent pairs)")
+    pos, freq = _vector(pos, m, f"{what}: pos"), _vector(freq.float(), n // 2, f"{what}: freq")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    zdz = None if z is None else torch.empty(m, device=x.device, dtype=torch.float32)
+    if m and n:
+        # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
+        # power-of-two padding of the row (the block passes all of qkv: 3072 or 6144 columns, 512 a chunk)
+        _rope_pairs_kernel[(m,)](x, x if z is None else z, pos, freq, out, out if zdz is None else zdz, n // 2,
+                                 x.stride(0), x.stride(0) if z is None else z.stride(0), out.stride(0),
+                                 INVERSE=inverse, DOT=z is not None,
+                                 BLOCK=min(256, triton.next_power_of_2(n // 2)), num_warps=2, **_out_args(x.dtype))
+    return out, zdz
+
+
+def rope_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [M, 2P] with each adjacent column pair (2i, 2i+1) rotated by theta = pos[row] * freq[i]
+    (fp32, rounded once); `inverse` rotates by -theta (the transpose: the backward)."""
+    return _rope_pairs(x, None, pos, freq, inverse, "rope_pairs")[0]
+
+
 def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
                   freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz rotated by -theta per adjacent column pair, zdz = sum(z * dz) per row in fp32).
 
     z is the forward's rotated output: the rotation keeps dot products, so sum(z * dz)
     equals the pre-rotation input's dot with its gradient (the RMSNorm backward's row term)."""
-    dz, z = _rows(dz, "rope_backward: dz"), _rows(z, "rope_backward: z")
-    m, n = dz.shape
-    if z.shape != dz.shape or n % 2:
-        raise ValueError(f"rope_backward: dz {list(dz.shape)} and z {list(z.shape)} must have one shape, N even")
-    pos, freq = _vector(pos, m, "rope_backward: pos"), _vector(freq.float(), n // 2, "rope_backward: freq")
-    out = torch.empty_like(dz, memory_format=torch.contiguous_format)
-    zdz = torch.empty(m, device=dz.device, dtype=torch.float32)
-    if m:
-        # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
-        # power-of-two padding of the row (the block passes all of qkv: 3072 or 6144 columns, 512 a chunk)
-        _rope_backward_kernel[(m,)](dz, z, pos, freq, out, zdz, n // 2,
-                                    dz.stride(0), z.stride(0), out.stride(0),
-                                    BLOCK=min(256, triton.next_power_of_2(n // 2)), num_warps=2,
-                                    **_out_args(dz.dtype))
-    return out, zdz
+    return _rope_pairs(dz, z, pos, freq, True, "rope_backward")
 
 
 def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
@@ -430,5 +451,5 @@ def scale_cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
 
 
 __all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
-           "rope_backward", "rope_halves", "scale_cast"]
+           "rope_backward", "rope_pairs", "rope_halves", "scale_cast"]
 

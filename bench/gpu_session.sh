@@ -26,7 +26,7 @@
 #                 (compile_times.py; COMPILE_TIMES_ARGS, e.g. "--per-shape 24"), ~2 min at 8 a shape
 #   timeline      per-tile timelines of the block's fused GEMMs, as generated and with template v4's changes
 #                 undone (timeline.py variants), ~4 min
-# Usage on the device (pydantic travels as wheels in .whl): bash bench/gpu_session.sh STEP...; with no argument
+# Usage on the device (pydantic travels as wheels in .whl): CODA_COMMIT=<commit sent> bash bench/gpu_session.sh STEP...; with no argument
 # tests, epilogues and ops run. coda runs untuned (CODA_AUTOTUNE defaults to 0); export CODA_AUTOTUNE=1 for tuned
 # figures (a carried .tuning.tgz is read only then). Each step stops after STEP_TIMEOUT (540) seconds, a device call's limit being 600.
 set -uo pipefail
@@ -45,6 +45,12 @@ export PYTHONUNBUFFERED=1 CODA_CACHE_DIR=${CODA_CACHE_DIR:-/tmp/coda-cache}
 mkdir -p "$CODA_CACHE_DIR"
 [ -f .tuning.tgz ] && tar -C "$CODA_CACHE_DIR" -xzf .tuning.tgz
 steps=${*:-tests epilogues ops}
+# Results record the commit measured, and the device copy's .git may be stale (its HEAD an older
+# commit): a measuring step needs CODA_COMMIT, the commit of the tree sent (git rev-parse --short HEAD here).
+if [ -z "${CODA_COMMIT:-}" ] && [ -n "$(echo " $steps " | sed -e 's/ tests_triton / /g' -e 's/ tests / /g' | tr -d ' ')" ]; then
+  echo "gpu_session: set CODA_COMMIT to the commit of this tree (results record it; the device copy's .git may be stale)" >&2
+  exit 2
+fi
 STEP_TIMEOUT=${STEP_TIMEOUT:-540}
 # the tuner's per-candidate lines, left out of the logs' tails
 untuned_lines() { grep -v '^\[coda tune\]   \['; }

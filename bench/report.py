@@ -208,7 +208,8 @@ RUNNING = """\
 * The device machine has no network: pydantic (and Liger-Kernel, for the peers) travel as wheels
   in a git-ignored `.whl/`, which `bench/gpu_session.sh` and `bench/tools/ncu_epilogue.sh` install
   into `/tmp/site`.
-* Export `CODA_COMMIT`: the results record it, since the device copy's `.git` may be stale.
+* Export `CODA_COMMIT` (the commit of the tree sent): the results record it, since the device
+  copy's `.git` may be stale; `bench/gpu_session.sh` refuses a measuring step without it.
 * coda runs untuned (`CODA_AUTOTUNE` defaults to `0`). With `CODA_AUTOTUNE=1` it tunes each new
   shape on first use; tuned configs come back as `$OUT/tuning.tgz`, and carried as `.tuning.tgz`
   they seed the next call.

@@ -6,6 +6,8 @@ Models (transformers classes at the published shapes, random init):
   gemma3-1b    D=1152, FFN=6912, 26 layers, 4 q / 1 kv heads of 256, V=262144, tied, sliding window 512
                on 5 of every 6 layers
   qwen2.5-1.5b D=1536, FFN=8960, 28 layers, 12 q / 2 kv heads of 128, q/k/v biases, V=151936, tied
+  phi3-mini    D=3072, FFN=8192, 32 layers, 32 heads of 96, V=32064, untied, fused qkv and gate/up
+               projections, sliding window 2047 (Phi-3-mini-4k's shape)
   olmo2-1b     D=2048, FFN=8192, 16 layers, 16 heads of 128, V=100352, untied; post-norms, whole-width
                q/k norms (OLMo-2-0425-1B's shape)
 Variants, each in its own process (patching libraries change classes globally):
@@ -94,6 +96,12 @@ MODELS = {
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
         vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), tiny=_TINY),
+    "phi3-mini": Family("Phi3Config", "Phi3ForCausalLM", dict(  # fused qkv_proj and gate_up_proj
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        vocab_size=32064, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        original_max_position_embeddings=4096, sliding_window=2047, pad_token_id=32000,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        tiny=dict(_TINY, num_key_value_heads=4, sliding_window=5, pad_token_id=0)),
     "olmo2-1b": Family("Olmo2Config", "Olmo2ForCausalLM", dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
         vocab_size=100352, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,

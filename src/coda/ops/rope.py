@@ -15,34 +15,34 @@ positions and a buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .custom import fused_op
+from .custom import FusedOp, fused_op
 from .rowwise import rope_halves, rope_pairs as rope_pairs_rows
 
 
-def _fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
-    return (rope_halves(x, cos, sin),)
+def _rotation_op(name: str, rotate: Callable[..., torch.Tensor]) -> FusedOp:
+    """x rotated by `rotate(x, u, v)`, the angles given by u and v (no gradient); backward rotates
+    the output's gradient back (`inverse=True`: a rotation's transpose is its inverse)."""
+
+    def forward(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        return (rotate(x, u, v),)
+
+    def fake(x, u, v):
+        return (torch.empty(x.shape, dtype=x.dtype, device=x.device),)
+
+    def save(x, u, v, *, out):
+        return u, v
+
+    def backward(dy: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        return (rotate(dy, u, v, inverse=True),)
+
+    return fused_op(name, forward=forward, fake=fake, save=save, backward=backward, backward_fake=fake, grads=("x",))
 
 
-def _fwd_fake(x, cos, sin):
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),)
-
-
-def _save(x, cos, sin, *, out):
-    return cos, sin
-
-
-def _bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
-    return (rope_halves(dy, cos, sin, backward=True),)
-
-
-def _bwd_fake(dy, cos, sin):
-    return (torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),)
-
-
-_op = fused_op("coda::rope_halves", forward=_fwd, fake=_fwd_fake, save=_save, backward=_bwd,
-               backward_fake=_bwd_fake, grads=("x",))
+_op = _rotation_op("coda::rope_halves", rope_halves)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,28 +62,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return one(q), one(k)
 
 
-def _pairs_fwd(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor]:
-    return (rope_pairs_rows(x, pos, freq),)
-
-
-def _pairs_fwd_fake(x, pos, freq):
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),)
-
-
-def _pairs_save(x, pos, freq, *, out):
-    return pos, freq
-
-
-def _pairs_bwd(dy: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor]:
-    return (rope_pairs_rows(dy, pos, freq, inverse=True),)
-
-
-def _pairs_bwd_fake(dy, pos, freq):
-    return (torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),)
-
-
-_pairs_op = fused_op("coda::rope_pairs", forward=_pairs_fwd, fake=_pairs_fwd_fake, save=_pairs_save,
-                     backward=_pairs_bwd, backward_fake=_pairs_bwd_fake, grads=("x",))
+_pairs_op = _rotation_op("coda::rope_pairs", rope_pairs_rows)
 
 
 def rope_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:

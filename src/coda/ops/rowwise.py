@@ -413,9 +413,9 @@ def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
     return _rope_pairs(dz, z, pos, freq, True, "rope_backward")
 
 
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb for one of q, k, in fp32 and rounded once: x [T, H, D],
-    cos and sin [T, R] (R even, R <= D; columns from R on pass through); `backward` applies the
+    cos and sin [T, R] (R even, R <= D; columns from R on pass through); `inverse` applies the
     transpose (x is then the output's gradient). Returns a contiguous [T, H, D]."""
     if x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[0] \
             or cos.shape[1] % 2 or cos.shape[1] > x.shape[2]:
@@ -429,7 +429,7 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
     out = torch.empty((tokens, h, d), device=x.device, dtype=x.dtype)
     if tokens and h and d:
         _rope_halves_kernel[(tokens,)](x, cos, sin, out, h, half, d, x.stride(0), x.stride(1), cos.stride(0),
-                                       out.stride(0), out.stride(1), BACKWARD=backward,
+                                       out.stride(0), out.stride(1), BACKWARD=inverse,
                                        BLOCK_H=triton.next_power_of_2(h), BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
                                        BLOCK_PASS=0 if 2 * half == d else triton.next_power_of_2(d - 2 * half),
                                        num_warps=4, **_out_args(x.dtype))

@@ -1,6 +1,7 @@
 """Every script in examples/ runs at its default sizes (seconds on the CPU) and does what it says:
 the custom epilogue matches its fp32 reference, the patched model's first loss is transformers' on
-the same weights and training lowers it, and the FSDP2 run trains across two ranks."""
+the same weights and training lowers it, the fine-tuned coda model's loss is transformers' before training
+and again after its weights go back, and the FSDP2 run trains across two ranks."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def test_train_hf_patch() -> None:
     assert int(patched) > 0 and len(curve) == 3
     assert abs(curve[0] - float(before)) < 1e-3  # fp32: coda's ops compute transformers' loss
     assert curve[-1] < curve[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,batching", [("qwen3", "pad"), ("gemma3_text", "pack")])
+def test_finetune_from_hf(family: str, batching: str) -> None:
+    out = run("examples/finetune_from_hf.py", "--family", family, "--batching", batching)
+    ours, theirs = map(float, re.search(r"documents: loss ([\d.]+) \(transformers ([\d.]+)\)", out).groups())
+    assert abs(ours - theirs) < 1e-3  # fp32, 4 printed decimals: coda's model computes transformers' loss
+    curve = losses(out)
+    assert len(curve) == 4 and curve[-1] < curve[0]
+    theirs, ours = map(float, re.search(r"trained weights: loss ([\d.]+) \(coda ([\d.]+)\)", out).groups())
+    assert abs(ours - theirs) < 1e-3 and ours < curve[0]  # the trained weights, back in transformers
 
 
 @pytest.mark.slow

@@ -156,35 +156,41 @@ def test_rope_at_the_untuned_config_spills_no_more_than_measured(aot_report: dic
     assert aot_report["rope_default"]["ptxas_spill_bytes"][0] <= 1212
 
 
-ROPE_BACKWARD_SCRIPT = textwrap.dedent('''
+ROPE_PAIRS_SCRIPT = textwrap.dedent('''
     import json, re
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from coda.ops.rowwise import _rope_backward_kernel
+    from coda.ops.rowwise import _rope_pairs_kernel
 
-    sig = {"dz_ptr": "*bf16", "z_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*bf16",
-           "zdz_ptr": "*fp32", "P": "i32", "stride_dz": "i32", "stride_z": "i32", "stride_out": "i32",
-           "BLOCK": "constexpr", "OUT": "constexpr", "RNE": "constexpr"}
+    sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*bf16",
+           "zdz_ptr": "*fp32", "P": "i32", "stride_x": "i32", "stride_z": "i32", "stride_out": "i32",
+           "INVERSE": "constexpr", "DOT": "constexpr", "BLOCK": "constexpr", "OUT": "constexpr", "RNE": "constexpr"}
     # what the JIT specializes a block-shaped launch to: aligned pointers, P and strides multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
-    src = ASTSource(fn=_rope_backward_kernel, signature=sig, attrs=attrs,
-                    constexprs={"BLOCK": 256, "OUT": tl.bfloat16, "RNE": False})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 2}).asm["ptx"]
-    print(json.dumps({op: len(re.findall(re.escape(op) + r"\\b", ptx)) for op in
-                      ("ld.global.v4", "ld.global.b16", "st.global.v4", "st.global.b16", "ld.local", "st.local")}))
+    counts = {}
+    for name, inverse, dot in (("backward", True, True), ("forward", False, False)):
+        src = ASTSource(fn=_rope_pairs_kernel, signature=sig, attrs=attrs,
+                        constexprs={"INVERSE": inverse, "DOT": dot, "BLOCK": 256, "OUT": tl.bfloat16, "RNE": False})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 2}).asm["ptx"]
+        counts[name] = {op: len(re.findall(re.escape(op) + r"\\b", ptx)) for op in
+                        ("ld.global.v4", "ld.global.b16", "st.global.v4", "st.global.b16", "ld.local", "st.local")}
+    print(json.dumps(counts))
 ''')
 
 
-def test_rope_backward_moves_16_byte_vectors_on_sm90(tmp_path) -> None:
-    """The RoPE backward reads dz and z and writes its output as 16-byte vectors on sm_90 (PTX),
-    not as 2-byte scalars: what loading a pair's even and odd columns separately compiled to (64
-    scalar loads and 32 scalar stores a thread at 0ef7040)."""
-    counts = sm90_report(ROPE_BACKWARD_SCRIPT, tmp_path)
-    assert counts["ld.global.v4"] >= 2 and counts["st.global.v4"] >= 1, counts
-    assert counts["ld.global.b16"] == counts["st.global.b16"] == 0, counts
-    assert counts["ld.local"] == counts["st.local"] == 0, counts
+def test_rope_pairs_moves_16_byte_vectors_on_sm90(tmp_path) -> None:
+    """The RoPE row pass (the block's RoPE backward: dz and z read, and OLMo 2's forward rotation: x
+    read) loads and stores 16-byte vectors on sm_90 (PTX), not 2-byte scalars: what loading a pair's
+    even and odd columns separately compiled to (64 scalar loads and 32 scalar stores a thread at
+    0ef7040)."""
+    counts = sm90_report(ROPE_PAIRS_SCRIPT, tmp_path)
+    for name, loads in (("backward", 2), ("forward", 1)):
+        c = counts[name]
+        assert c["ld.global.v4"] >= loads and c["st.global.v4"] >= 1, (name, c)
+        assert c["ld.global.b16"] == c["st.global.b16"] == 0, (name, c)
+        assert c["ld.local"] == c["st.local"] == 0, (name, c)
 
 
 RMS_BACKWARD_SCRIPT = textwrap.dedent('''

@@ -131,6 +131,10 @@ def test_rope_pairs_rotates_and_its_op_backward_is_the_transpose(dtype: torch.dt
                                atol=8 * EPS[torch.float32] * dy.abs().max().item())
     with pytest.raises(ValueError, match="even number of columns"):
         rowwise.rope_pairs(torch.zeros(2, 3, device=DEVICE), pos[:2], freq[:1])
+    # rows of no pairs: nothing to rotate, and the backward's row term is 0
+    empty = torch.zeros(m, 0, device=DEVICE, dtype=dtype)
+    out, zdz = rowwise.rope_backward(empty, empty, pos, freq[:0])
+    assert out.shape == (m, 0) and torch.equal(zdz, torch.zeros(m, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -388,13 +388,14 @@ def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq
     pos, freq = _vector(pos, m, f"{what}: pos"), _vector(freq.float(), n // 2, f"{what}: freq")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     zdz = None if z is None else torch.empty(m, device=x.device, dtype=torch.float32)
-    if m and n:
+    if m:  # (a row of no pairs still writes its zdz: 0)
         # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
         # power-of-two padding of the row (the block passes all of qkv: 3072 or 6144 columns, 512 a chunk)
         _rope_pairs_kernel[(m,)](x, x if z is None else z, pos, freq, out, out if zdz is None else zdz, n // 2,
                                  x.stride(0), x.stride(0) if z is None else z.stride(0), out.stride(0),
                                  INVERSE=inverse, DOT=z is not None,
-                                 BLOCK=min(256, triton.next_power_of_2(n // 2)), num_warps=2, **_out_args(x.dtype))
+                                 BLOCK=min(256, triton.next_power_of_2(max(n // 2, 1))), num_warps=2,
+                                 **_out_args(x.dtype))
     return out, zdz
 
 

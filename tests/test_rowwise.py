@@ -81,6 +81,15 @@ def test_cross_entropy_statistics_and_gradient_in_place(dtype: torch.dtype) -> N
     torch.testing.assert_close(logits.double(), want, rtol=rel, atol=rel * 1e-3)
 
 
+def rotated_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, sign: int) -> torch.Tensor:
+    """x's adjacent column pairs rotated by sign * theta, theta = pos * freq in fp32 (as the kernels
+    and the GEMM epilogues compute the angle), the rotation in fp64."""
+    theta = (pos[:, None].float() * freq[None, :]).double()
+    c, s = theta.cos(), sign * theta.sin()
+    a, b = x.double()[:, 0::2], x.double()[:, 1::2]
+    return torch.stack([a * c - b * s, a * s + b * c], -1).reshape(x.shape)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [scale(40, 3072), 600], ids=["one_chunk", "chunks_and_tail"])
 def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype, n: int) -> None:
@@ -91,10 +100,7 @@ def test_rope_backward_is_the_inverse_rotation(dtype: torch.dtype, n: int) -> No
     freq = torch.rand(n // 2, device=DEVICE)
     dz, z = torch.randn(m, n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
     out, zdz = rowwise.rope_backward(dz, z, pos, freq)
-    theta = (pos[:, None].float() * freq[None, :]).double()  # the angle is fp32, as in the forward
-    c, s = theta.cos(), theta.sin()
-    a, b = dz.double()[:, 0::2], dz.double()[:, 1::2]
-    want = torch.stack([a * c + b * s, b * c - a * s], -1).reshape(m, n)
+    want = rotated_pairs(dz, pos, freq, -1)
     assert out.dtype == dtype and zdz.dtype == torch.float32
     # one rounding to dtype of each value, plus a few fp32 ulps of sin/cos and the two products
     atol = 8 * EPS[torch.float32] * dz.abs().max().item()
@@ -116,18 +122,13 @@ def test_rope_pairs_rotates_and_its_op_backward_is_the_transpose(dtype: torch.dt
     freq = torch.rand(n // 2, device=DEVICE)
     x = torch.randn(m, n, device=DEVICE).to(dtype).requires_grad_()
     out = rope_pairs(x, pos, freq)
-    theta = (pos[:, None].float() * freq[None, :]).double()  # the angle is fp32, as in the GEMM epilogues
-    c, s = theta.cos(), theta.sin()
-    a, b = x.detach().double()[:, 0::2], x.detach().double()[:, 1::2]
-    want = torch.stack([a * c - b * s, a * s + b * c], -1).reshape(m, n)
+    want = rotated_pairs(x.detach(), pos, freq, 1)
     assert out.dtype == dtype and out.shape == (m, n)
     atol = 8 * EPS[torch.float32] * x.detach().abs().max().item()
     torch.testing.assert_close(out.double(), want, rtol=EPS[dtype], atol=atol)
     dy = torch.randn(m, n, device=DEVICE).to(dtype)
     out.backward(dy)
-    da, db = dy.double()[:, 0::2], dy.double()[:, 1::2]
-    want_grad = torch.stack([da * c + db * s, db * c - da * s], -1).reshape(m, n)
-    torch.testing.assert_close(x.grad.double(), want_grad, rtol=EPS[dtype],
+    torch.testing.assert_close(x.grad.double(), rotated_pairs(dy, pos, freq, -1), rtol=EPS[dtype],
                                atol=8 * EPS[torch.float32] * dy.abs().max().item())
     with pytest.raises(ValueError, match="even number of columns"):
         rowwise.rope_pairs(torch.zeros(2, 3, device=DEVICE), pos[:2], freq[:1])

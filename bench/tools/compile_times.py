@@ -152,5 +152,6 @@ def main() -> None:
     harness.write_results(args.out, "compile_times", data, table(data["runs"]), (args.note,) if args.note else ())
     print(table(data["runs"]))
 
+
 if __name__ == "__main__":
     main()

@@ -105,5 +105,5 @@ def whole_qk_norm_qkv(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor
     q, k, v = F.linear(x, w_qkv).split([nq, nk, nk], 1)
     q = rmsnorm(q, permute_rope_rows(q_norm[:, None], n_heads, hd)[:, 0], eps)
     k = rmsnorm(k, permute_rope_rows(k_norm[:, None], n_kv_heads, hd)[:, 0], eps)
-    freq = inv_freq.float()
-    return torch.cat([rope_pairs(q, pos, freq.repeat(n_heads)), rope_pairs(k, pos, freq.repeat(n_kv_heads)), v], 1)
+    return torch.cat([rope_pairs(q, pos, inv_freq.repeat(n_heads)), rope_pairs(k, pos, inv_freq.repeat(n_kv_heads)),
+                      v], 1)

@@ -40,10 +40,11 @@ FAMILIES = {
 FAMILY_CASES = [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 
 
-def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
+def hf_model(model_type: str, attn: str | None = None, **kw: object) -> torch.nn.Module:
+    """The tiny HF model, norms and biases perturbed; `attn` its attention (None: conftest.attention's)."""
     torch.manual_seed(0)
     config = transformers.CONFIG_MAPPING[model_type](**SHAPE, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn or attention(config))
     model = model.to(device=DEVICE, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -86,12 +87,71 @@ def test_padding_matches_hf(side: str, family: str) -> None:
     labels[mask == 0] = -100
     with torch.no_grad():
         ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
-    assert rel(ours[mask == 1], theirs[mask == 1]) < 1e-5
-    # A left-padded query has no key: it outputs zeros, as under HF's default SDPA attention (HF's eager
-    # attention, Gemma 2's, averages every value there instead; no loss or gradient reads those rows).
-    if hf.config._attn_implementation == "sdpa":
-        assert rel(ours[1, pads], theirs[1, pads]) < 1e-5
+    # Every row, the left pads' too (no key: zeros under HF's SDPA, every value averaged under its
+    # eager attention, Gemma 2's): the shifted loss reads the last pad's, which predicts the first token.
+    assert rel(ours, theirs) < 1e-5
     assert_same_step(model, hf, ids, labels, attention_mask=mask)
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("llama", dict(FAMILIES["llama"], attn="eager")),
+    # uncapped Gemma 2: eager attention under transformers' default (no SDPA path; SDPA before 5.2x)
+    pytest.param("gemma2", dict(FAMILIES["gemma2"], attn_logit_softcapping=None), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("holes", [False, True])
+def test_keyless_queries_follow_hf_eager_attention(family: str, kw: dict, holes: bool) -> None:
+    """A model transformers runs with eager attention: its queries that see no key (left pads; a pad
+    under a window with holes before it) average every value of their row, and the loss and gradients
+    read them through the last pad's logits (LlamaConfig.keyless_queries "mean")."""
+    hf = hf_model(family, **kw)
+    model = coda.models.from_hf(hf)
+    assert model.config.keyless_queries == ("mean" if hf.config._attn_implementation == "eager" else "zeros")
+    ids, labels = ids_and_labels()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    if holes:
+        mask[0, 3:9] = 0  # under gemma2's window of 4, query 8 sees no key either
+    labels[mask == 0] = -100
+    with torch.no_grad():
+        ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+    assert rel(ours, theirs) < 1e-5
+    assert_same_step(model, hf, ids, labels, attention_mask=mask)
+
+
+def test_keyless_mean_is_eager_attention_of_its_rows() -> None:
+    """fp64: `attend(..., keyless="mean")` against eager attention written out (the mask added as the
+    dtype's lowest value, the softmax, autograd through both), output and q/k/v gradients, for rows
+    that see no key (left pads, and one under a window past a hole) among rows that do."""
+    from coda.models import attention, masks
+
+    pad = _pads(["00011111", "11000011", "11111111"])
+    batch, seq, heads, kv, hd, window = 3, 8, 4, 2, 8, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch * seq, n, hd, generator=g, dtype=torch.float64) for n in (heads, kv, kv))
+    grad = torch.randn(batch * seq, heads * hd, generator=g, dtype=torch.float64)
+    scale = hd ** -0.5
+    mask = masks.build(batch, seq, q.device, padding=pad, docs=None, window=window)
+    assert int((~mask.live).sum()) == 3 + 2  # row 0's left pads; row 1's queries 4 and 5 (window 3)
+
+    def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        bq, bk, bv = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
+        bk, bv = (t.repeat_interleave(heads // kv, dim=1) for t in (bk, bv))
+        idx = torch.arange(seq)
+        allowed = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - window) & pad.bool()[:, None, None]
+        scores = bq @ bk.transpose(2, 3) * scale
+        scores = scores + torch.zeros((), dtype=scores.dtype).masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        return (torch.softmax(scores, -1) @ bv).transpose(1, 2).reshape(batch * seq, heads * hd)
+
+    def run(f) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = f(*leaves)
+        out.backward(grad)
+        return [out] + [t.grad for t in leaves]
+
+    ours = run(lambda *t: attention.attend(*t, batch, seq, mask, scale, keyless="mean"))
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), ours, run(eager)):
+        assert rel(got, ref) < 1e-12, f"{name}: {rel(got, ref):.3g}"
+    zeros = run(lambda *t: attention.attend(*t, batch, seq, mask, scale))
+    assert rel(zeros[0], ours[0]) > 0.1  # the keyless rows are what differs
 
 
 @pytest.mark.parametrize("family", FAMILY_CASES)

@@ -14,6 +14,12 @@ layer's mask (masks.py), computed by the fastest torch kernel that computes exac
 * Capped scores (Gemma 2): eager attention on materialized scores, as transformers computes them
   (no SDPA kernel applies a function to the scores).
 
+A query that sees no key (left padding) outputs zeros, as under transformers' SDPA, flash and flex
+attention; for a model that transformers runs with eager attention (`LlamaConfig.keyless_queries`
+"mean") it outputs the mean of every value in its row, as there: eager adds the dtype's lowest value
+to every score of such a row, so its softmax is uniform over all S keys, and its backward is that
+softmax's (`_KeylessMean`, exact and without the [S, S] scores).
+
 q: [T, H, hd] and k, v: [T, KV, hd], T = B * S tokens in row order; the output is [T, H * hd].
 """
 
@@ -52,20 +58,22 @@ def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> b
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: int,
-           mask: AttentionMask | None, scale: float, softcap: float | None = None) -> torch.Tensor:
-    """The attention output [T, H * hd] of one layer (the module docstring says which kernel)."""
+           mask: AttentionMask | None, scale: float, softcap: float | None = None,
+           keyless: str = "zeros") -> torch.Tensor:
+    """The attention output [T, H * hd] of one layer (the module docstring says which kernel, and
+    what `keyless`, "zeros" or "mean", makes of a query that sees no key)."""
     tokens, h, hd = q.shape
     kv = k.shape[1]
     if mask is not None and mask.starts is not None:
         out = _sequences(q, k, v, mask, scale)
     else:
-        q, k, v = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
+        bq, bk, bv = (t.view(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
         if softcap is not None:
-            out = softcapped_attention(q, k, v, mask, scale, softcap)
+            out = softcapped_attention(bq, bk, bv, mask, scale, softcap)
         elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != kv)
+            out = F.scaled_dot_product_attention(bq, bk, bv, is_causal=True, scale=scale, enable_gqa=h != kv)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, scale=scale,
+            out = F.scaled_dot_product_attention(bq, bk, bv, attn_mask=mask.allowed, scale=scale,
                                                  enable_gqa=h != kv)
         out = out.transpose(1, 2)
     out = out.reshape(tokens, h * hd)
@@ -73,8 +81,54 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, seq: i
         # Zeroed token-major: the kernel's backward then receives the output gradient in its output's
         # layout. Zeroing the [B, H, S, hd] view hands SDPA a contiguous one instead, on which torch
         # 2.11's cuDNN backward returned wrong q/k/v gradients (after a same-shaped call; H200).
-        out = out.masked_fill(~mask.live.reshape(tokens, 1), 0.0)
+        keyless_rows = ~mask.live.reshape(tokens)
+        out = out.masked_fill(keyless_rows[:, None], 0.0)
+        if keyless == "mean":
+            out = out + _KeylessMean.apply(q, k, v, keyless_rows, batch, seq, scale).reshape(tokens, h * hd)
     return out
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+class _KeylessMean(torch.autograd.Function):
+    """What transformers' eager attention gives a query that sees no key: every score of its row
+    plus the dtype's lowest value rounds to that value, so the softmax is uniform, p = 1/S over the
+    row's S keys, and the output is the row's mean value v̄ (per kv head). Its backward is the
+    softmax's at that point, dS_j = (1/S) dO . (v_j - v̄) (module docstring), which reaches q and k
+    through S = scale q k^T; per row and kv head, with C = (1/S) sum_j (v_j - v̄) k_j^T:
+    dq = scale dO C, dk_j = (scale / S) (v_j - v̄) sum_i dO_i q_i^T, dv_j = (1/S) sum_i dO_i.
+    q [T, H, hd], k and v [T, KV, hd], `rows` [T] the keyless queries; the output [T, H, hd] is
+    zero elsewhere. fp32 inside (or the inputs' wider dtype), as eager's softmax."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, batch: int,
+                seq: int, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, rows)
+        ctx.batch, ctx.seq, ctx.scale = batch, seq, scale
+        h, kv, hd = q.shape[1], k.shape[1], v.shape[2]
+        mean = v.view(batch, seq, kv, 1, hd).to(_wide(v)).mean(1, keepdim=True)  # [B, 1, KV, 1, hd]
+        out = mean.expand(batch, seq, kv, h // kv, hd).reshape(batch * seq, h, hd)
+        return out.masked_fill(~rows[:, None, None], 0.0).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, rows = ctx.saved_tensors
+        batch, seq, scale = ctx.batch, ctx.seq, ctx.scale
+        h, kv, hd = q.shape[1], k.shape[1], v.shape[2]
+        shape = (batch, seq, kv, h // kv, hd)
+        wide = _wide(q)
+        g = grad.to(wide).masked_fill(~rows[:, None, None], 0.0).view(shape)
+        vb, kb = v.to(wide).view(batch, seq, kv, hd), k.to(wide).view(batch, seq, kv, hd)
+        centred = vb - vb.mean(1, keepdim=True)
+        c = torch.einsum("bsgv,bsgk->bgvk", centred, kb) / seq
+        dq = scale * torch.einsum("bsgrv,bgvk->bsgrk", g, c)
+        e = torch.einsum("bsgrv,bsgrk->bgvk", g, q.to(wide).view(shape))
+        dk = (scale / seq) * torch.einsum("bsgv,bgvk->bsgk", centred, e)
+        dv = (g.sum((1, 3), keepdim=True) / seq).expand(batch, seq, kv, 1, hd)
+        return (dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype),
+                dv.reshape(v.shape).to(v.dtype), None, None, None, None)
 
 
 def _sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,

@@ -188,6 +188,18 @@ def foreign_code(model: Any) -> list[str]:
             "checks transformers' own families only (remote code may compute anything)"]
 
 
+def hf_attention(config: Any) -> str:
+    """The attention transformers runs this config's model with: the one the config names (set when a
+    model is built, or by the user), else its causal-LM class's default, SDPA where the class has it
+    and eager otherwise (transformers' rule; Gemma 2 has no SDPA path in transformers >= 5.2x)."""
+    name = getattr(config, "_attn_implementation", None)
+    if name:
+        return name
+    from transformers import AutoModelForCausalLM  # only a transformers config reaches here
+
+    return "sdpa" if getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", False) else "eager"
+
+
 def problems(config: Any, entry: str) -> list[str]:
     """Why `entry` cannot compute this transformers config as HF does (empty: it can). Each problem
     names the model_type and the field."""

@@ -29,7 +29,7 @@ from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
-from .families import FAMILIES, FROM_HF, foreign_code, problems
+from .families import FAMILIES, FROM_HF, foreign_code, hf_attention, problems
 from .llama_block import NativeBlockWeights, block_segment, inv_freq
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build_all, documents, padding
@@ -72,8 +72,13 @@ class LlamaConfig:
     attn_softcap: float | None = None  # attention scores c * tanh(s / c) before the softmax (Gemma 2)
     final_softcap: float | None = None  # logits c * tanh(l / c) before the loss (Gemma 2)
     fused_projections: bool = False  # HF holds one qkv_proj and one gate_up_proj per layer (Phi-3): names only
+    # What a query that sees no key (a left pad) outputs: "zeros" (transformers' SDPA, flash and flex
+    # attention) or "mean", every value of its row averaged (transformers' eager attention: attention.py)
+    keyless_queries: str = "zeros"
 
     def __post_init__(self) -> None:
+        if self.keyless_queries not in ("zeros", "mean"):
+            raise ValueError(f"LlamaConfig: keyless_queries={self.keyless_queries!r} (takes 'zeros' or 'mean')")
         if self.post_norm and (self.gemma or self.sandwich or self.qk_norm or self.qkv_bias):
             raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, sandwich, qk_norm or qkv_bias "
                              "describes no family coda computes")
@@ -155,7 +160,8 @@ class LlamaConfig:
                    fused_projections=family.fused_projections,
                    query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
                    attn_softcap=_number(config, "attn_logit_softcapping"),
-                   final_softcap=_number(config, "final_logit_softcapping"))
+                   final_softcap=_number(config, "final_logit_softcapping"),
+                   keyless_queries="mean" if hf_attention(config) == "eager" else "zeros")
 
 
 def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] | None]:
@@ -228,7 +234,7 @@ class LlamaLayer(nn.Module):
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
         q, k, v = qkv.view(batch * seq, h + 2 * kv, hd).split([h, kv, kv], dim=1)
-        return attend(q, k, v, batch, seq, mask, c.attn_scale, c.attn_softcap)
+        return attend(q, k, v, batch, seq, mask, c.attn_scale, c.attn_softcap, c.keyless_queries)
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
                 final_norm: torch.Tensor | None = None,

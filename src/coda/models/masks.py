@@ -3,8 +3,9 @@ in training (no cache): causal, within the query's document, on unpadded keys, w
 sliding window. Built once per forward, one mask per distinct window, shared by the layers.
 
 * Padding (`attention_mask`, 0 = pad): padded keys are never attended. A query that has no key left
-  (a left-padded position) outputs zeros, as torch's SDPA gives transformers; coda lets such a row
-  attend to itself and zeroes its output afterwards, which keeps every backend's gradient finite.
+  (a left-padded position) is marked not `live`: coda lets such a row attend to itself and replaces
+  its output afterwards (zeros, or eager attention's mean: attention.py), which keeps every
+  backend's gradient finite.
 * Packed documents (`position_ids`, only without `attention_mask`, as transformers): a new document
   starts wherever the position does not step by +1 from the previous token; attention never
   crosses one.

@@ -1,5 +1,6 @@
 """A process that compiles for sm_90 without a GPU, for the AOT tests (test_aot_gluon.py, test_compile_time.py,
-test_resources.py): one JSON request a line in, one JSON reply a line out. A test module gives the
+test_older_gpus.py, test_resources.py): one JSON request a line in, one JSON reply a line out; it
+imports the tests' own modules (cpu_calls). A test module gives the
 body of the worker's script, a `handle(req) -> result` and its imports; `script` wraps it so that
 only replies reach the reply stream."""
 
@@ -48,8 +49,11 @@ class AotWorker:
     def __init__(self, tmp: Path, source: str, timeout_s: float, env: Mapping[str, str | None] | None = None) -> None:
         path = tmp / "aot_worker.py"
         path.write_text(source)
+        tests = str(Path(__file__).resolve().parent)  # the worker imports cpu_calls from here
+        path_now = os.environ.get("PYTHONPATH")
         full = {**os.environ, "TRITON_INTERPRET": "0", "CODA_CACHE_DIR": str(tmp / "coda"),
-                "TRITON_CACHE_DIR": str(tmp / "triton")}
+                "TRITON_CACHE_DIR": str(tmp / "triton"),
+                "PYTHONPATH": tests if not path_now else tests + os.pathsep + path_now}
         for name, value in (env or {}).items():
             if value is None:
                 full.pop(name, None)

@@ -37,31 +37,27 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 from coda.codegen.gluon_kernel import generate
-from coda.epilogue import Epilogue
 from coda.ir.nodes import StoreOutput
-from coda.ops import epilogues as E
 from coda.runtime.aot import hopper_spec
 from coda.runtime.launch import PLAIN
 from coda.runtime.gluon_backend import MAXNREG
 from coda.runtime.resources import HOPPER_SMEM_BYTES
 from aot_worker import AotWorker, script
+from cpu_calls import ops_epilogues
 from test_properties import Program, programs
 
 WORKER = script('''
     import contextlib, io, re
 
-    import torch
     import triton
     import coda
     from coda.codegen import generate, unsupported
-    from coda.epilogue import Epilogue
-    from coda.ir.types import Kind
-    from coda.ops import epilogues as E
     from coda.runtime.aot import compile_hopper
     from coda.runtime.config import Config, default_config, min_block_n
     from coda.runtime.launch import PLAIN
     from coda.runtime.specialize import make_spec, spec_fields
-    from coda.runtime.validate import validate
+    from cpu_calls import block_dtype, ops_epilogues
+    from cpu_calls import call as cpu_call
 
     logs = []  # the ptxas -v log of each triton.compile (Triton prints it with TRITON_DUMP_PTXAS_LOG=1)
     _compile = triton.compile
@@ -77,50 +73,16 @@ WORKER = script('''
 
     triton.compile = _capture
 
-    EPILOGUES = {ep.graph.name: ep for ep in vars(E).values() if isinstance(ep, Epilogue)}
-    EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32))})
-    EPILOGUES.update({ep.graph.name: ep for ep in (E.lm_head(torch.bfloat16, softcap=c, smoothing=s)
-                                                   for c, s in ((True, False), (False, True), (True, True)))})
-    EPILOGUES.update({ep.graph.name: ep for ep in (f(hd) for f in (E.rms_qknorm_rope, E.qknorm_rope_backward)
-                                                   for hd in (64, 128))})
+    EPILOGUES = ops_epilogues()
     M, N, K = 256, 256, 128
     done = {}  # (graph hash, spec key, config) -> compile results
-
-
-    def matrix(rows, cols, dtype, col_major):
-        return torch.zeros(cols, rows, dtype=dtype).T if col_major else torch.zeros(rows, cols, dtype=dtype)
-
-
-    def operand(graph, name, dtype, n):
-        """A CPU tensor of the operand's shape (values do not matter to a compile); dtype None: a number."""
-        s = next(s for s in graph.operands if s.name == name)
-        if dtype is None:
-            return 0.5
-        cols = int(n * s.frac_width)
-        shape = {Kind.SCALAR: (), Kind.VEC_M: (M,), Kind.VEC_N: (cols,), Kind.TILE: (M, cols)}[s.kind]
-        return torch.zeros(shape, dtype=getattr(torch, dtype))
-
-
-    def block_dtype(s, pos_dtype):
-        if s.kind == Kind.SCALAR:
-            return None
-        if s.name == "target":
-            return "int64"
-        if s.name == "pos":
-            return pos_dtype
-        if s.name == "qk_mask":
-            return "bool"
-        return "bfloat16" if s.kind == Kind.TILE else "float32"
 
 
     def compile_call(graph, in_dtype, dtypes, a_col, b_col, k=K, n=N, config=None):
         """Compile graph for sm_90 with the runtime's gluon-hopper specialization and default config
         (with `config`'s fields changed; "cooperative": the cooperative schedule on a 128x256 tile,
         in 32-column subtiles or as wide as the epilogue's reduction groups need)."""
-        dt = getattr(torch, in_dtype)
-        a, b = matrix(M, k, dt, a_col), matrix(k, n, dt, b_col)
-        operands = {name: operand(graph, name, d, n) for name, d in dtypes.items()}
-        call = validate(graph, a, b, operands, None, True)  # CPU tensors: validated as for the interpreter
+        call = cpu_call(graph, M, n, k, dtypes, in_dtype=in_dtype, a_col=a_col, b_col=b_col)
         cfg = default_config(graph, call.in_dtype, False, call.m, call.n, call.k, "gluon-hopper")
         if config == "cooperative":
             config = {"block_m": 128, "block_n": 256, "num_stages": 3, "cooperative": True,
@@ -186,21 +148,10 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
             print(json.dumps(w.results, indent=1))  # the numbers behind the assertions
 
 
-def _all_epilogues() -> list[Epilogue]:
-    eps = [ep for ep in vars(E).values() if isinstance(ep, Epilogue)]
-    return (eps + [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
-            + [E.lm_head(torch.bfloat16, softcap=c, smoothing=s) for c, s in ((True, False), (False, True), (True, True))])
-
-
-def _by_name(name: str) -> Epilogue:
-    return next(ep for ep in _all_epilogues() if ep.graph.name == name)
-
-
-def _epilogues() -> list[str]:
-    return sorted({ep.graph.name for ep in _all_epilogues()}) + ["plain"]
-
-
-EPILOGUES = _epilogues()
+BY_NAME = ops_epilogues()
+# Each epilogue coda.ops builds and the plain GEMM; QK-norm's (per head_dim) have their own test
+# and spill bounds (test_qknorm_compiles).
+EPILOGUES = sorted(name for name in BY_NAME if "qknorm" not in name) + ["plain"]
 
 # ptxas spill bytes [stores, loads] of each kernel as the runtime specializes it (sm_90, the
 # default gluon-hopper config, a row-major, b = W.T), measured when this test was written; the
@@ -266,7 +217,7 @@ def test_epilogue_compiles_with_wgmma_within_shared_memory(worker: Worker, name:
     _check_compiled(name, result)
     assert (result["a_load"], result["b_load"]) == ("tma_row", "tma_col")
     # the default config leaves room for every Tile operand and tile output to move through TMA
-    graph = PLAIN if name == "plain" else _by_name(name).graph
+    graph = PLAIN if name == "plain" else BY_NAME[name].graph
     assert result["tma_tiles"] == [s.name for s in graph.operands if s.kind.value == "tile"], result
     assert result["tma_stores"] == [o.name for o in graph.outputs if isinstance(o, StoreOutput)], result
     stores, loads = result["spill_bytes"]
@@ -431,7 +382,7 @@ def test_epilogue_turn_is_handed_on_once_a_tile(name: str, loop: bool) -> None:
     one arrive too many or too few deadlocks or lets it run a phase ahead): with an epilogue ring,
     after the ring wait of subtile HANDOFF (unrolled: one arrive per subtile whose predicates
     `h == HANDOFF` are exclusive) or after the subtile loop; without one, before the epilogue."""
-    graph = PLAIN if name == "plain" else _by_name(name).graph
+    graph = PLAIN if name == "plain" else BY_NAME[name].graph
     spec = hopper_spec(graph, backend="gluon-hopper", subtile=4, epilogue_loop=loop,
                        operand_dtypes={s.name: "bfloat16" for s in graph.operands})
     body = generate(graph, spec).split("def _consumer(", 1)[1].split("\n@gluon.jit", 1)[0]

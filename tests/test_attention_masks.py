@@ -254,13 +254,14 @@ def test_masks_of_several_windows_read_the_batch_once(monkeypatch: pytest.Monkey
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="flash attention's variable-length kernel runs on a GPU")
 @pytest.mark.parametrize("heads,kv,head_dim", [(4, 1, 256), (8, 2, 64)])
 @pytest.mark.parametrize("window", [None, 5, 40])
-@pytest.mark.parametrize("layout", ["documents", "padding"])
+@pytest.mark.parametrize("layout", ["documents", "padding", "padding, keyless mean"])
 def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: int, window: int | None,
                                                 layout: str) -> None:
     """bf16 on the GPU: the sequence form (flash, variable length) against the fp32 boolean form, output
     and q/k/v gradients, within twice the error of bf16 SDPA with the boolean mask. Packed documents,
     or padding: a right-padded and a left-padded row (with a window, which right padding's tail call
-    does not take, an unpadded and a left-padded row)."""
+    does not take, an unpadded and a left-padded row); the left pads' output zeros or, as under HF's
+    eager attention, their row's mean value."""
     from coda.models import attention, masks
 
     if not attention.varlen_applies(DEVICE, torch.bfloat16, head_dim):
@@ -271,7 +272,7 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
     pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).to(DEVICE)
     docs = masks.documents(pos) if layout == "documents" else None
     pad = None
-    if layout == "padding":
+    if layout.startswith("padding"):
         pad = torch.ones(batch, seq, dtype=torch.long, device=DEVICE)
         pad[1, :30] = 0
         if window is None:
@@ -285,7 +286,7 @@ def test_flash_sequences_match_the_boolean_mask(heads: int, kv: int, head_dim: i
         leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
         mask = masks.build(batch, seq, DEVICE, padding=pad, docs=docs, window=window, sequences=sequences)
         assert (mask.starts is not None) == sequences
-        out = attention.attend(*leaves, batch, seq, mask, scale)
+        out = attention.attend(*leaves, batch, seq, mask, scale, keyless="mean" if "mean" in layout else "zeros")
         out.backward(grad.to(dtype))
         return [out] + [t.grad for t in leaves]
 

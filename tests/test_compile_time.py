@@ -24,26 +24,18 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, settings
 
 import coda
-from coda.epilogue import Epilogue
-from coda.ops import epilogues as E
 from coda.runtime import config
 from coda.runtime.config import CODE_BUDGET, default_config, epilogue_code
 from coda.runtime.launch import PLAIN
 from aot_worker import AotWorker, script
+from cpu_calls import ops_epilogues
 from test_properties import Program, programs
 
 LIMIT_FACTOR = 5
 TIMEOUT_S = 600
 
 
-def _block_epilogues() -> dict[str, Epilogue]:
-    eps = [ep for ep in vars(E).values() if isinstance(ep, Epilogue)]
-    eps += [E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32)]
-    eps += [f(hd) for f in (E.rms_qknorm_rope, E.qknorm_rope_backward) for hd in (64, 128)]
-    return {ep.graph.name: ep for ep in eps}
-
-
-BLOCK = _block_epilogues()
+BLOCK = ops_epilogues()
 
 # Programs of the kind the H200 found slow on a first call: two width-2 Tile operands (one read
 # column-major), sin/cos, silu, where, interleave, group values and grouped max reductions.
@@ -134,57 +126,31 @@ WORKER = script('''
     import os
     import time
 
-    import torch
     import coda
-    from coda.epilogue import Epilogue
-    from coda.ir.types import Kind
-    from coda.ops import epilogues as E
     from coda.runtime.aot import compile_call
     from coda.runtime.config import default_config
     from coda.runtime.launch import PLAIN
-    from coda.runtime.validate import validate
+    from cpu_calls import call, ops_epilogues
 
-    EPILOGUES = {ep.graph.name: ep.graph for ep in vars(E).values() if isinstance(ep, Epilogue)}
-    EPILOGUES.update({ep.graph.name: ep.graph for ep in (E.lm_head(d) for d in (torch.bfloat16, torch.float16, torch.float32))})
-    EPILOGUES.update({ep.graph.name: ep.graph for ep in (f(hd) for f in (E.rms_qknorm_rope, E.qknorm_rope_backward)
-                                                         for hd in (64, 128))})
+    EPILOGUES = {name: ep.graph for name, ep in ops_epilogues().items()}
     EPILOGUES["plain"] = PLAIN
-
-
-    def block_dtype(s):
-        if s.kind == Kind.SCALAR:
-            return None
-        special = {"target": "int64", "pos": "int64", "qk_mask": "bool"}
-        return special.get(s.name, "bfloat16" if s.kind == Kind.TILE else "float32")
-
-
-    def tensor(shape, dtype, col_major):
-        t = torch.zeros(shape[::-1], dtype=getattr(torch, dtype)).T if col_major else torch.zeros(shape, dtype=getattr(torch, dtype))
-        return t
 
 
     def handle(req):
         if "triton_cache" in req:  # Triton reads its cache directory at each compile
             os.environ["TRITON_CACHE_DIR"] = req["triton_cache"]
         if "name" in req:
-            graph = EPILOGUES[req["name"]]
-            dtypes = {s.name: block_dtype(s) for s in graph.operands}
+            graph, dtypes = EPILOGUES[req["name"]], None
         else:
             namespace = {"coda": coda}
             exec(req["source"], namespace)
             graph = coda.epilogue(namespace[req.get("fn", "f")]).graph
             dtypes = req["dtypes"]
         m, n, k = req["shape"]
-        operands = {}
-        for s in graph.operands:
-            cols = int(n * s.frac_width)
-            shape = {Kind.SCALAR: (), Kind.VEC_M: (m,), Kind.VEC_N: (cols,), Kind.TILE: (m, cols)}[s.kind]
-            d = dtypes[s.name]
-            operands[s.name] = 0.5 if d is None else tensor(shape, d, s.name in req.get("col_major", []))
-        call = validate(graph, tensor((m, k), "bfloat16", False), tensor((k, n), "bfloat16", True), operands, None, True)
-        cfg = default_config(graph, call.in_dtype, False, m, n, k, req["backend"])
+        c = call(graph, m, n, k, dtypes, col_major=req.get("col_major", []))
+        cfg = default_config(graph, c.in_dtype, False, m, n, k, req["backend"])
         start = time.perf_counter()
-        compile_call(call, cfg)
+        compile_call(c, cfg)
         return {"seconds": time.perf_counter() - start,
                 "config": f"{cfg.block_m}x{cfg.block_n}/{cfg.subtile}{' loop' if cfg.epilogue_loop else ''}"
                           f"{' flatten' if cfg.flatten else ''}{' cooperative' if cfg.cooperative else ''}"}

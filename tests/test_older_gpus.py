@@ -8,7 +8,6 @@ at their defaults."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
@@ -16,23 +15,11 @@ import coda
 from coda.ops import epilogues as E
 from coda.runtime import config, specialize, tma
 from coda.runtime.resources import SharedMemory
-from coda.runtime.validate import validate
 from aot_worker import AotWorker, script
+from cpu_calls import call as cpu_call
 from test_resources import wide_programs
 
 SM80, SM86 = 166912, 101376  # Triton's max_shared_mem on those GPUs
-
-
-def _call(graph, m: int, n: int, k: int):
-    """A validated call on CPU tensors (metadata only): bf16 a row-major, b an nn.Linear weight's view."""
-    operands = {}
-    for s in graph.operands:
-        cols = int(n * s.frac_width)
-        shape = {"scalar": None, "vec_m": (m,), "vec_n": (cols,), "tile": (m, cols)}[s.kind.value]
-        operands[s.name] = 0.5 if shape is None else torch.zeros(shape, dtype=torch.bfloat16 if s.kind.value == "tile"
-                                                                 else torch.float32)
-    return validate(graph, torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16).T,
-                    operands, None, True)
 
 
 def test_without_tma_operands_and_outputs_go_through_pointers(monkeypatch) -> None:
@@ -40,7 +27,7 @@ def test_without_tma_operands_and_outputs_go_through_pointers(monkeypatch) -> No
     def f(acc, t: coda.Tile):
         return {"y": acc + t, "m": coda.reduce_n(acc, "max")}
 
-    call = _call(f.graph, 256, 512, 128)
+    call = cpu_call(f.graph, 256, 512, 128)
     cfg = config.default_config(f.graph, "bfloat16", False, 256, 512, 128, "triton")
     hopper = specialize.specialize(call, False, cfg)
     assert (hopper.a_load, hopper.b_load, hopper.tma_tiles, hopper.tma_stores) == ("tma_row", "tma_col", ("t",), ("y",))
@@ -51,7 +38,7 @@ def test_without_tma_operands_and_outputs_go_through_pointers(monkeypatch) -> No
 
 def test_the_default_fits_the_gpus_limit() -> None:
     """The same call's default on sm_90 and under sm_86's limit: the smaller GPU's is smaller and fits it."""
-    call = _call(E.rms_swiglu.graph, 8192, 16384, 2048)
+    call = cpu_call(E.rms_swiglu.graph, 8192, 16384, 2048)
     need = lambda c: specialize.call_smem_bytes(call, c)  # noqa: E731
     hopper = config.default_config(call.graph, "bfloat16", False, 8192, 16384, 2048, "triton", SharedMemory(need))
     small = config.default_config(call.graph, "bfloat16", False, 8192, 16384, 2048, "triton", SharedMemory(need, SM86))
@@ -61,7 +48,7 @@ def test_the_default_fits_the_gpus_limit() -> None:
     def grouped(acc, t: coda.Tile, u: coda.Tile(width=2)):
         return {"m": coda.reduce_n(acc + t, "max", group=512), "y": coda.interleave(acc, acc) + u}
 
-    call = _call(grouped.graph, 64, 8192, 64)
+    call = cpu_call(grouped.graph, 64, 8192, 64)
     need = lambda c: specialize.call_smem_bytes(call, c)  # noqa: E731
     assert need(config.default_config(call.graph, "bfloat16", False, 64, 8192, 64, "triton", SharedMemory(need))) \
         <= SharedMemory(need).limit
@@ -72,13 +59,13 @@ def test_the_default_fits_the_gpus_limit() -> None:
 
 WORKER = script('''
     import sys
-    import torch, triton
+    import triton
     from triton.backends.compiler import GPUTarget
     import coda
     from coda.ops import epilogues as E
     from coda.runtime import aot, config, specialize, tma
     from coda.runtime.resources import SharedMemory
-    from coda.runtime.validate import validate
+    from cpu_calls import call as cpu_call
 
     tma.has_tma = lambda device: False  # the kernels of a GPU before Hopper
     compile_for_sm90 = triton.compile
@@ -89,17 +76,6 @@ WORKER = script('''
 
     triton.compile = compile_for
 
-    def call_of(graph, m, n, k):
-        ops = {}
-        for s in graph.operands:
-            cols = int(n * s.frac_width)
-            shape = {"scalar": None, "vec_m": (m,), "vec_n": (cols,), "tile": (m, cols)}[s.kind.value]
-            special = {"target": torch.int64, "pos": torch.int64, "qk_mask": torch.bool}
-            dtype = special.get(s.name, torch.bfloat16 if s.kind.value == "tile" else torch.float32)
-            ops[s.name] = 0.5 if shape is None else torch.zeros(shape, dtype=dtype)
-        return validate(graph, torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16).T,
-                        ops, None, True)
-
     def handle(req):
         ARCH["arch"] = req["arch"]
         if "name" in req:
@@ -109,7 +85,7 @@ WORKER = script('''
             exec(req["source"], namespace)
             graph = coda.epilogue(namespace["f"]).graph
         m, n, k = req["shape"]
-        call = call_of(graph, m, n, k)
+        call = cpu_call(graph, m, n, k)
         smem = SharedMemory(lambda c: specialize.call_smem_bytes(call, c), req["limit"])
         try:
             cfg = config.default_config(graph, "bfloat16", False, m, n, k, "triton", smem)

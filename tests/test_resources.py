@@ -26,7 +26,7 @@ from coda.runtime import autotune, gluon_backend, launch
 from coda.runtime.config import Config, default_config, min_block_n
 from coda.runtime.resources import HOPPER_SMEM_BYTES, misfit
 from coda.runtime.specialize import call_smem_bytes, smem_of
-from coda.runtime.validate import validate
+import cpu_calls
 from aot_worker import AotWorker, script
 from conftest import GPU, assert_close, randn
 
@@ -43,8 +43,7 @@ def grouped_max(group: int) -> coda.Epilogue:
 
 def cpu_call(ep: coda.Epilogue, m: int = M, n: int = N, k: int = K):
     """A validated call on CPU tensors of the H200 case's shapes (only their metadata is read)."""
-    a, b = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(k, n, dtype=torch.bfloat16)
-    return validate(ep.graph, a, b, {"t": torch.zeros(m, n, dtype=torch.bfloat16)}, None, True)
+    return cpu_calls.call(ep.graph, m, n, k, b_col=False)
 
 
 def test_the_default_of_the_h200_case_fits_and_says_it_is_smaller(caplog: pytest.LogCaptureFixture) -> None:
@@ -107,15 +106,14 @@ def test_the_fitted_default_runs_correctly() -> None:
 # -- sm_90 AOT compiles: the ground truth ----------------------------------------------------
 
 WORKER = script('''
-    import torch
     import coda
     from coda.codegen import unsupported
     from coda.ir.nodes import StoreOutput
-    from coda.ir.types import Kind
     from coda.runtime.aot import compile_call
     from coda.runtime.config import Config, default_config
     from coda.runtime.specialize import call_smem_bytes, make_spec, smem_of, spec_fields
-    from coda.runtime.validate import validate
+    from cpu_calls import matrix
+    from cpu_calls import call as cpu_call
 
 
     def handle(req):
@@ -123,21 +121,11 @@ WORKER = script('''
         exec(req["source"], namespace)
         graph = coda.epilogue(namespace["f"]).graph
         m, n, k = req["shape"]
-        a, b = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(k, n, dtype=torch.bfloat16)
         pad = 1 if req.get("strided") else 0  # rows one element apart: no TMA, Tiles and outputs through pointers
-
-        def tile(cols, dtype):
-            return torch.zeros(m, cols + pad, dtype=dtype)[:, :cols]
-
-        ops = {}
-        for s in graph.operands:
-            cols = int(n * s.frac_width)
-            ops[s.name] = (tile(cols, torch.bfloat16) if s.kind == Kind.TILE
-                           else torch.zeros({Kind.VEC_M: m, Kind.VEC_N: cols}[s.kind]))
-        out_dtype = getattr(torch, req.get("out_dtype") or "bfloat16")
-        out = {o.name: tile(int(n * graph.node(o.x).frac_width), out_dtype)
+        out_dtype = req.get("out_dtype") or "bfloat16"
+        out = {o.name: matrix(m, int(n * graph.node(o.x).frac_width), out_dtype, pad=pad)
                for o in graph.outputs if isinstance(o, StoreOutput)} if req.get("out_dtype") or pad else None
-        call = validate(graph, a, b, ops, out, True)
+        call = cpu_call(graph, m, n, k, b_col=False, pad=pad, out=out)
         if isinstance(req["config"], dict):
             cfg = Config(**req["config"])
         else:

@@ -149,6 +149,21 @@ def test_scale_cast_rounds_once(dtype: torch.dtype, n: int) -> None:
         rowwise.scale_cast(torch.randn(4, 3, device=DEVICE).T, s, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (5, 7), (4, 300)])
+def test_scale_rows_rounds_once(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """x * s[:, None] in x's dtype is torch's fp32 product cast once, for strided rows too (a
+    column slice); s must be one fp32 value per row."""
+    m, d = shape
+    x = torch.randn(m, d + 3, device=DEVICE).to(dtype)[:, 1:d + 1]
+    s = torch.rand(m, device=DEVICE) * 4
+    assert torch.equal(rowwise.scale_rows(x, s), (x.float() * s[:, None]).to(dtype))
+    with pytest.raises(ValueError, match="fp32"):
+        rowwise.scale_rows(x, s.double())
+    with pytest.raises(ValueError, match="shape"):
+        rowwise.scale_rows(x, torch.rand(m + 1, device=DEVICE))
+
+
 def test_rowwise_rejects_non_matrices() -> None:
     with pytest.raises(ValueError, match="rms_prep: x must be 2-D"):
         rowwise.rms_prep(torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE), 1e-6)

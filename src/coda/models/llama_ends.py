@@ -7,8 +7,8 @@
   RMSNorm-backward GEMM, the weight GEMM.
 * `last_segment`: from after the last attention to the final norm's output: the block's first three
   fused GEMMs with the final norm's weight in the third, then the row scale. The LM head and the
-  loss follow in `coda.ops.linear_cross_entropy`. Backward: the final norm's backward (elementwise
-  over [M, D]), then the block's gated-MLP- and RMSNorm-backward GEMMs.
+  loss follow in `coda.ops.linear_cross_entropy`. Backward: the final norm's backward (a row pass),
+  then the block's gated-MLP- and RMSNorm-backward GEMMs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from ..ops import epilogues as E
 from ..ops.custom import fused_op
-from ..ops.rowwise import rms_prep
+from ..ops.rowwise import rms_backward, rms_prep, scale_rows
 from ..runtime import gemm
 from .llama_block import ffn_attn_backward, ffn_attn_forward, rope_freq_table
 from .qkv_projection import qkv_backward, qkv_forward, saved_for_backward
@@ -92,7 +92,7 @@ def _last_fwd(attn_out: torch.Tensor, x0: torch.Tensor, wo: torch.Tensor, g_ffn:
               w_down: torch.Tensor, g_final: torch.Tensor, eps: float, activation: str) -> _SIX:
     x2, h2, rstd2, x1, rstd1, z1 = ffn_attn_forward(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps,
                                                     activation)
-    normed = (h2.float() * rstd2[:, None]).to(h2.dtype)
+    normed = scale_rows(h2, rstd2)
     return normed, x2, rstd2, x1, rstd1, z1
 
 
@@ -112,14 +112,11 @@ def _last_save(attn_out, x0, wo, g_ffn, w_gate_up, w_down, g_final, eps, activat
 def _last_bwd(d_normed: torch.Tensor, attn_out: torch.Tensor, x1: torch.Tensor, rstd1: torch.Tensor, z1: torch.Tensor,
               x2: torch.Tensor, rstd2: torch.Tensor, wo: torch.Tensor, g_ffn: torch.Tensor, w_gate_up: torch.Tensor,
               w_down: torch.Tensor, g_final: torch.Tensor, activation: str) -> list[torch.Tensor]:
-    # The final RMSNorm's backward, in fp32: dx2 = r*g*gq - r^2 * x2 * sum(normed * gq) / D.
-    gq, x, r, g = d_normed.float(), x2.float(), rstd2[:, None], g_final.float()
-    zdz = (r * x * g * gq).sum(-1, keepdim=True)
-    dx2 = (r * g * gq - r * r * x * (zdz / x.shape[-1])).to(x2.dtype)
-    dg_final = (gq * r * x).sum(0).to(g_final.dtype)
+    # The final RMSNorm's backward: one row pass (dx2 = r*g*dy - r^2 * x2 * sum(normed * dy) / D, fp32).
+    dx2, dg_final = rms_backward(d_normed, x2, g_final, rstd2)
     d_attn, d_x0, d_wo, dg_ffn, d_wgu, d_wdown = ffn_attn_backward(dx2, attn_out, x1, rstd1, z1, wo, g_ffn, w_gate_up,
                                                                    w_down, activation)
-    return [d_attn, d_x0, d_wo, dg_ffn, d_wgu, d_wdown, dg_final]
+    return [d_attn, d_x0, d_wo, dg_ffn, d_wgu, d_wdown, dg_final.to(g_final.dtype)]
 
 
 def _last_bwd_fake(d_normed, attn_out, x1, rstd1, z1, x2, rstd2, wo, g_ffn, w_gate_up, w_down, g_final, activation):

@@ -40,7 +40,7 @@ import torch
 from ..runtime import gemm
 from .custom import fused_op
 from .epilogues import accumulate, lm_head, row_scale, scaled
-from .rowwise import cross_entropy_, scale_cast
+from .rowwise import cross_entropy_, scale_cast, scale_rows
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -187,7 +187,7 @@ def _bwd(dloss: torch.Tensor, grad: torch.Tensor, dx: torch.Tensor, dw: torch.Te
         s = dloss.float()
         return gemm(grad, weight, scaled, s=s), gemm(grad.T, x, scaled, s=s)
     d = dloss.float().contiguous()
-    return gemm(grad, weight, row_scale, rstd=d), gemm(grad.T, (x.float() * d[:, None]).to(x.dtype))
+    return gemm(grad, weight, row_scale, rstd=d), gemm(grad.T, scale_rows(x, d))
 
 
 def _bwd_fake(dloss, grad, dx, dw, x, weight):

@@ -228,6 +228,16 @@ def _rope_halves_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, HALF, D, stride_xt,
 
 
 @triton.jit
+def _scale_rows_kernel(x_ptr, s_ptr, out_ptr, D, stride_x, stride_out, BLOCK: tl.constexpr, OUT: tl.constexpr,
+                       RNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, _cast(x * tl.load(s_ptr + row), OUT, RNE), mask=mask)
+
+
+@triton.jit
 def _scale_cast_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, OUT: tl.constexpr, RNE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
@@ -292,6 +302,21 @@ def rms_input_grad(u: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.T
         _rms_input_grad_kernel[(m,)](u, x, c, dx, d, u.stride(0), x.stride(0), dx.stride(0),
                                      BLOCK=triton.next_power_of_2(d), **_out_args(x.dtype))
     return dx
+
+
+def scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x * s[:, None] in x.dtype, computed in fp32 and rounded once (s fp32, one value per row): one
+    pass where torch takes three (the fp32 copy, the product, the cast)."""
+    x = _rows(x, "scale_rows: x")
+    m, d = x.shape
+    s = _vector(s, m, "scale_rows: s")
+    if s.dtype != torch.float32:
+        raise ValueError(f"scale_rows: s must be fp32, got {s.dtype}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if m and d:
+        _scale_rows_kernel[(m,)](x, s, out, d, x.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(d),
+                                 **_out_args(x.dtype))
+    return out
 
 
 class RmsBackwardTiling(NamedTuple):
@@ -451,6 +476,6 @@ def scale_cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return out
 
 
-__all__ = ["rms_prep", "rms_input_grad", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
+__all__ = ["rms_prep", "rms_input_grad", "scale_rows", "rms_backward", "RmsBackwardTiling", "rms_backward_tiling", "cross_entropy_",
            "rope_backward", "rope_pairs", "rope_halves", "scale_cast"]
 

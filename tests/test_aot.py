@@ -164,15 +164,18 @@ ROPE_PAIRS_SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     from coda.ops.rowwise import _rope_pairs_kernel
 
-    sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "out_ptr": "*bf16",
-           "zdz_ptr": "*fp32", "P": "i32", "stride_x": "i32", "stride_z": "i32", "stride_out": "i32",
-           "INVERSE": "constexpr", "DOT": "constexpr", "BLOCK": "constexpr", "OUT": "constexpr", "RNE": "constexpr"}
+    sig = {"x_ptr": "*bf16", "z_ptr": "*bf16", "bias_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32",
+           "out_ptr": "*bf16", "zdz_ptr": "*fp32", "P": "i32", "stride_x": "i32", "stride_z": "i32", "stride_out": "i32",
+           "INVERSE": "constexpr", "DOT": "constexpr", "BIAS": "constexpr", "BLOCK": "constexpr", "OUT": "constexpr",
+           "RNE": "constexpr"}
     # what the JIT specializes a block-shaped launch to: aligned pointers, P and strides multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     counts = {}
-    for name, inverse, dot in (("backward", True, True), ("forward", False, False)):
+    for name, inverse, dot, bias in (("backward", True, True, False), ("backward_bias", True, True, True),
+                                     ("forward", False, False, False)):
         src = ASTSource(fn=_rope_pairs_kernel, signature=sig, attrs=attrs,
-                        constexprs={"INVERSE": inverse, "DOT": dot, "BLOCK": 256, "OUT": tl.bfloat16, "RNE": False})
+                        constexprs={"INVERSE": inverse, "DOT": dot, "BIAS": bias, "BLOCK": 256, "OUT": tl.bfloat16,
+                                    "RNE": False})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 2}).asm["ptx"]
         counts[name] = {op: len(re.findall(re.escape(op) + r"\\b", ptx)) for op in
                         ("ld.global.v4", "ld.global.b16", "st.global.v4", "st.global.b16", "ld.local", "st.local")}
@@ -181,12 +184,12 @@ ROPE_PAIRS_SCRIPT = textwrap.dedent('''
 
 
 def test_rope_pairs_moves_16_byte_vectors_on_sm90(tmp_path) -> None:
-    """The RoPE row pass (the block's RoPE backward: dz and z read, and OLMo 2's forward rotation: x
-    read) loads and stores 16-byte vectors on sm_90 (PTX), not 2-byte scalars: what loading a pair's
-    even and odd columns separately compiled to (64 scalar loads and 32 scalar stores a thread at
-    0ef7040)."""
+    """The RoPE row pass (the block's RoPE backward: dz and z read, with Qwen2's bias too, and OLMo
+    2's forward rotation: x read) loads and stores 16-byte vectors on sm_90 (PTX), not 2-byte
+    scalars: what loading a pair's even and odd columns separately compiled to (64 scalar loads and
+    32 scalar stores a thread at 0ef7040)."""
     counts = sm90_report(ROPE_PAIRS_SCRIPT, tmp_path)
-    for name, loads in (("backward", 2), ("forward", 1)):
+    for name, loads in (("backward", 2), ("backward_bias", 3), ("forward", 1)):
         c = counts[name]
         assert c["ld.global.v4"] >= loads and c["st.global.v4"] >= 1, (name, c)
         assert c["ld.global.b16"] == c["st.global.b16"] == 0, (name, c)

@@ -80,13 +80,11 @@ def qkv_backward(d_qkv: torch.Tensor, saved: torch.Tensor, rstd: torch.Tensor | 
         back = gemm(saved, w_qkv.T, E.qknorm_rope_backward(head_dim), grad=d_qkv, **ops)
         dwq, dwk = qknorm_weight_grads(back["dw"], n_heads, n_kv_heads, head_dim)
         return back["du"], back["zdz"], [dwq.to(qk_norm[0].dtype), dwk.to(qk_norm[1].dtype)]
-    dz, zdz = rope_backward(d_qkv, saved, pos, freq)
-    if not b_qkv:
-        return dz, zdz, []
-    # z = n W^T + b: the norm's row term <n, dn> = <z - b, dz> loses <b, dz>; db = sum of dz over
-    # rows. Torch row reductions over dz for now, a pass the RoPE-backward kernel could fold in.
-    b = b_qkv[0]
-    return dz, zdz - dz.float() @ b.float(), [dz.float().sum(0).to(b.dtype)]
+    # With biases z = n W^T + b: the norm's row term <n, dn> = <z - b, dz> (the row pass subtracts
+    # <b, dz>), and db = the column sums of dz, accumulated in fp32 from dz as it is.
+    dz, zdz = rope_backward(d_qkv, saved, pos, freq, b_qkv[0] if b_qkv else None)
+    grads = [dz.sum(0, dtype=torch.float32).to(b_qkv[0].dtype)] if b_qkv else []
+    return dz, zdz, grads
 
 
 def whole_qk_norm_qkv(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, w_qkv: torch.Tensor,

@@ -165,31 +165,36 @@ def _cross_entropy_kernel(l_ptr, target_ptr, scale_ptr, lse_ptr, tlogit_ptr, V, 
 
 
 @triton.jit
-def _rope_pairs_kernel(x_ptr, z_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P, stride_x, stride_z, stride_out,
-                       INVERSE: tl.constexpr, DOT: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr,
-                       RNE: tl.constexpr):
+def _rope_pairs_kernel(x_ptr, z_ptr, bias_ptr, pos_ptr, freq_ptr, out_ptr, zdz_ptr, P, stride_x, stride_z, stride_out,
+                       INVERSE: tl.constexpr, DOT: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                       OUT: tl.constexpr, RNE: tl.constexpr):
     # A row in chunks of BLOCK pairs. Each chunk is read and written as 2 * BLOCK contiguous
     # columns and split into the pairs' halves in registers: wide vector loads and stores, where
     # loading the even and the odd columns separately issues two strided accesses per row.
-    # INVERSE rotates by -theta (the backward); DOT also sums z * x over the row into zdz.
+    # INVERSE rotates by -theta (the backward); DOT also sums z * x over the row into zdz, and
+    # BIAS subtracts the bias's dot with the rotated row from it (<z - bias, dz> before rotation).
     row = tl.program_id(0).to(tl.int64)
     angle = tl.load(pos_ptr + row).to(tl.float32)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, P, BLOCK):
         pairs = start + tl.arange(0, BLOCK)
         cols = 2 * start + tl.arange(0, 2 * BLOCK)
+        live = cols < 2 * P
         theta = angle * tl.load(freq_ptr + pairs, mask=pairs < P, other=0.0)
         c, s = _trig(theta, 1), _trig(theta, 0)
         if INVERSE:
             s = -s
-        a, b = tl.split(tl.reshape(tl.load(x_ptr + row * stride_x + cols, mask=cols < 2 * P, other=0.0)
+        a, b = tl.split(tl.reshape(tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0)
                                    .to(tl.float32), (BLOCK, 2)))
-        rotated = tl.interleave(a * c - b * s, a * s + b * c)
-        tl.store(out_ptr + row * stride_out + cols, _cast(rotated, OUT, RNE), mask=cols < 2 * P)
+        ra, rb = a * c - b * s, a * s + b * c
+        tl.store(out_ptr + row * stride_out + cols, _cast(tl.interleave(ra, rb), OUT, RNE), mask=live)
         if DOT:
-            za, zb = tl.split(tl.reshape(tl.load(z_ptr + row * stride_z + cols, mask=cols < 2 * P, other=0.0)
+            za, zb = tl.split(tl.reshape(tl.load(z_ptr + row * stride_z + cols, mask=live, other=0.0)
                                          .to(tl.float32), (BLOCK, 2)))
             dot += za * a + zb * b
+        if BIAS:
+            ba, bb = tl.split(tl.reshape(tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32), (BLOCK, 2)))
+            dot -= ba * ra + bb * rb
     if DOT:
         tl.store(zdz_ptr + row, tl.sum(dot, axis=0))
 
@@ -401,13 +406,15 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
 
 
 def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq: torch.Tensor, inverse: bool,
-                what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+                what: str, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     x = _rows(x, f"{what}: {'dz' if z is not None else 'x'}")
     m, n = x.shape
     if z is not None:
         z = _rows(z, f"{what}: z")
         if z.shape != x.shape:
             raise ValueError(f"{what}: dz {list(x.shape)} and z {list(z.shape)} must have one shape")
+    if bias is not None:
+        bias = _vector(bias, n, f"{what}: bias")
     if n % 2:
         raise ValueError(f"{what}: {list(x.shape)} needs an even number of columns (adjacent pairs)")
     pos, freq = _vector(pos, m, f"{what}: pos"), _vector(freq.float(), n // 2, f"{what}: freq")
@@ -416,9 +423,10 @@ def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq
     if m:  # (a row of no pairs still writes its zdz: 0)
         # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
         # power-of-two padding of the row (the block passes all of qkv: 3072 or 6144 columns, 512 a chunk)
-        _rope_pairs_kernel[(m,)](x, x if z is None else z, pos, freq, out, out if zdz is None else zdz, n // 2,
-                                 x.stride(0), x.stride(0) if z is None else z.stride(0), out.stride(0),
-                                 INVERSE=inverse, DOT=z is not None,
+        _rope_pairs_kernel[(m,)](x, x if z is None else z, x if bias is None else bias, pos, freq, out,
+                                 out if zdz is None else zdz, n // 2, x.stride(0),
+                                 x.stride(0) if z is None else z.stride(0), out.stride(0),
+                                 INVERSE=inverse, DOT=z is not None, BIAS=bias is not None,
                                  BLOCK=min(256, triton.next_power_of_2(max(n // 2, 1))), num_warps=2,
                                  **_out_args(x.dtype))
     return out, zdz
@@ -430,13 +438,15 @@ def rope_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: 
     return _rope_pairs(x, None, pos, freq, inverse, "rope_pairs")[0]
 
 
-def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor,
-                  freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dz rotated by -theta per adjacent column pair, zdz = sum(z * dz) per row in fp32).
 
     z is the forward's rotated output: the rotation keeps dot products, so sum(z * dz)
-    equals the pre-rotation input's dot with its gradient (the RMSNorm backward's row term)."""
-    return _rope_pairs(dz, z, pos, freq, True, "rope_backward")
+    equals the pre-rotation input's dot with its gradient (the RMSNorm backward's row term).
+    With `bias` ([2P], added before the rotation: z = n W^T + bias) zdz is the norm output's
+    term, sum((z - bias) * dz) before the rotation."""
+    return _rope_pairs(dz, z, pos, freq, True, "rope_backward", bias)
 
 
 def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -171,6 +171,28 @@ def test_scale_rows_rounds_once(dtype: torch.dtype, shape: tuple[int, int]) -> N
         rowwise.scale_rows(x, torch.rand(m + 1, device=DEVICE))
 
 
+def test_row_passes_write_into_column_slices() -> None:
+    """rope_pairs and rms_backward given `out` (columns of a wider tensor, as OLMo 2's q/k passes
+    write the QKV output): the same values as into a new tensor, the other columns untouched; an
+    `out` of another shape or dtype, or whose rows are not contiguous, is refused."""
+    m, n = 5, 8
+    g = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(m, n, generator=g).to(DEVICE) for _ in range(2))
+    pos, freq = torch.arange(m, device=DEVICE), torch.rand(n // 2, generator=g).to(DEVICE)
+    wide = torch.full((m, 3 * n), 7.0, device=DEVICE)
+    got = rowwise.rope_pairs(x, pos, freq, out=wide[:, n:2 * n])
+    assert got.data_ptr() == wide[:, n:].data_ptr() and torch.equal(got, rowwise.rope_pairs(x, pos, freq))
+    rstd = torch.rand(m, generator=g).to(DEVICE)
+    weight = torch.rand(n, generator=g).to(DEVICE)
+    dx, dg = rowwise.rms_backward(dy, x, weight, rstd, out=wide[:, 2 * n:])
+    want_dx, want_dg = rowwise.rms_backward(dy, x, weight, rstd)
+    assert torch.equal(wide[:, 2 * n:], want_dx) and torch.equal(dg, want_dg)
+    assert bool((wide[:, :n] == 7.0).all())
+    for bad in (wide[:, :n - 2], wide[:, :n].double(), torch.zeros(n, m, device=DEVICE).T):
+        with pytest.raises(ValueError, match="out must be"):
+            rowwise.rope_pairs(x, pos, freq, out=bad)
+
+
 def test_rowwise_rejects_non_matrices() -> None:
     with pytest.raises(ValueError, match="rms_prep: x must be 2-D"):
         rowwise.rms_prep(torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE), 1e-6)

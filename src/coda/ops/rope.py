@@ -4,9 +4,10 @@
   `coda.patch` (HF computes it as about five elementwise kernels per tensor each way: two
   products, rotate_half's slice, negation and concatenation, a sum).
 * rope_pairs(x, pos, freq): the rotation of adjacent column pairs, the layout of coda's own QKV
-  rows (ops.layout.permute_rope_rows), with the angles from positions: OLMo 2's q and k after their
-  whole-width norms (a norm over all heads needs whole rows, so the QKV GEMM cannot rotate them).
-  coda's model rotates every other family inside its QKV GEMM's epilogue.
+  rows (ops.layout.permute_rope_rows), with the angles from positions, for q and k rotated outside
+  a GEMM. coda's model rotates inside its QKV GEMM's epilogue, and OLMo 2's q and k (after their
+  whole-width norms, which need whole rows) in its own op (models.qkv_projection), on the same row
+  pass.
 
 The rotation is computed in fp32 and rounded once (HF rounds each product and the sum in the
 activations' dtype). cos and sin get no gradient: HF's rotary embedding computes them from

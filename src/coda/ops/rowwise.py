@@ -281,6 +281,18 @@ def _weight(g: torch.Tensor, d: int, what: str) -> torch.Tensor:
     return g
 
 
+def _output(out: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tensor:
+    """`out` where given (x's shape and dtype, contiguous rows: e.g. a column slice of a wider
+    tensor, which the row pass writes in place), else a new contiguous tensor like x."""
+    if out is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    if out.shape != like.shape or out.dtype != like.dtype or (out.numel() and out.stride(1) != 1):
+        raise ValueError(f"{what}: out must be {list(like.shape)} {like.dtype} with contiguous rows, got "
+                         f"{list(out.shape)} {out.dtype} strides {out.stride()}")
+    check_kernel_device(what, out, interpreting())
+    return out
+
+
 def rms_prep(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, rstd): rstd = rsqrt(mean(x^2) + eps) fp32 per row and h = x * rstd * g in x.dtype
     (F.rms_norm's output), in one pass. norm_weight may be strided or expanded."""
@@ -349,10 +361,12 @@ def rms_backward_tiling(d: int) -> RmsBackwardTiling:
 
 
 def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
-                 tiling: RmsBackwardTiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in x.dtype, dg fp32) of h = F.rms_norm(x, g) given dy = dL/dh and rstd per row.
-    dg is summed from per-program partials (each program takes every P-th step of rows), in a
-    fixed order: deterministic for a given tiling (default: `rms_backward_tiling(D)`)."""
+                 tiling: RmsBackwardTiling | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x.dtype, dg fp32) of h = F.rms_norm(x, g) given dy = dL/dh and rstd per row; dx
+    written into `out` where given (`_output`). dg is summed from per-program partials (each
+    program takes every P-th step of rows), in a fixed order: deterministic for a given tiling
+    (default: `rms_backward_tiling(D)`)."""
     dy, x = _rows(dy, "rms_backward: dy"), _rows(x, "rms_backward: x")
     m, d = x.shape
     if dy.shape != x.shape:
@@ -364,7 +378,7 @@ def rms_backward(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, r
         raise ValueError(f"rms_backward: {tiling} needs positive fields, rows and num_warps powers of two")
     programs = max(1, min(triton.cdiv(m, tiling.rows), tiling.programs_per_sm * num_programs(x.device)))
     steps = triton.cdiv(triton.cdiv(m, tiling.rows), programs)
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = _output(out, x, "rms_backward")
     partial = torch.empty(programs, d, device=x.device, dtype=torch.float32)
     if m:
         _rms_backward_kernel[(programs,)](dy, x, norm_weight, rstd, dx, partial, m, d, steps, dy.stride(0), x.stride(0),
@@ -406,7 +420,8 @@ def cross_entropy_(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tens
 
 
 def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq: torch.Tensor, inverse: bool,
-                what: str, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                what: str, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     x = _rows(x, f"{what}: {'dz' if z is not None else 'x'}")
     m, n = x.shape
     if z is not None:
@@ -418,7 +433,7 @@ def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq
     if n % 2:
         raise ValueError(f"{what}: {list(x.shape)} needs an even number of columns (adjacent pairs)")
     pos, freq = _vector(pos, m, f"{what}: pos"), _vector(freq.float(), n // 2, f"{what}: freq")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = _output(out, x, what)
     zdz = None if z is None else torch.empty(m, device=x.device, dtype=torch.float32)
     if m:  # (a row of no pairs still writes its zdz: 0)
         # 256 pairs a chunk: 512 columns, 8 per thread of 2 warps (16-byte bf16 vectors), and no
@@ -432,10 +447,12 @@ def _rope_pairs(x: torch.Tensor, z: torch.Tensor | None, pos: torch.Tensor, freq
     return out, zdz
 
 
-def rope_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, 2P] with each adjacent column pair (2i, 2i+1) rotated by theta = pos[row] * freq[i]
-    (fp32, rounded once); `inverse` rotates by -theta (the transpose: the backward)."""
-    return _rope_pairs(x, None, pos, freq, inverse, "rope_pairs")[0]
+    (fp32, rounded once); `inverse` rotates by -theta (the transpose: the backward). Written into
+    `out` where given (`_output`)."""
+    return _rope_pairs(x, None, pos, freq, inverse, "rope_pairs", out=out)[0]
 
 
 def rope_backward(dz: torch.Tensor, z: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor,

@@ -321,6 +321,18 @@ def test_config_refuses_layouts_no_family_has() -> None:
         coda.models.LlamaConfig(**shape, sandwich=True)
 
 
+@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+def test_config_reads_the_attention_transformers_runs(model_type: str) -> None:
+    """A query that sees no key gets eager attention's mean where transformers runs the model with
+    eager attention: the one its config names, else the one transformers picks when it builds the
+    model (Gemma 2: eager in transformers >= 5.2x)."""
+    config = CONFIGS[model_type](**SHAPE, **FROM_HF_CASES[model_type])
+    built = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).config._attn_implementation
+    assert coda.models.LlamaConfig.from_hf(config).keyless_queries == ("mean" if built == "eager" else "zeros")
+    config._attn_implementation = "eager"
+    assert coda.models.LlamaConfig.from_hf(config).keyless_queries == "mean"
+
+
 def test_gemma_layouts_by_family() -> None:
     """Every Gemma takes Gemma's gains, GeGLU and embedding scale; only Gemma 2/3 the sandwich layer
     (their extra norms, by HF name), Gemma 1 Llama's."""

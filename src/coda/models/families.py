@@ -195,9 +195,11 @@ def hf_attention(config: Any) -> str:
     name = getattr(config, "_attn_implementation", None)
     if name:
         return name
-    from transformers import AutoModelForCausalLM  # only a transformers config reaches here
+    import transformers  # only a transformers config of a supported family reaches here
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return "sdpa" if getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", False) else "eager"
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def problems(config: Any, entry: str) -> list[str]:

@@ -93,10 +93,11 @@ def test_padding_matches_hf(side: str, family: str) -> None:
     assert_same_step(model, hf, ids, labels, attention_mask=mask)
 
 
+@pytest.mark.slow  # whole models against HF (the quick subset keeps test_keyless_mean_is_eager_attention_of_its_rows)
 @pytest.mark.parametrize("family,kw", [
     ("llama", dict(FAMILIES["llama"], attn="eager")),
     # uncapped Gemma 2: eager attention under transformers' default (no SDPA path; SDPA before 5.2x)
-    pytest.param("gemma2", dict(FAMILIES["gemma2"], attn_logit_softcapping=None), marks=pytest.mark.slow)])
+    ("gemma2", dict(FAMILIES["gemma2"], attn_logit_softcapping=None))])
 @pytest.mark.parametrize("holes", [False, True])
 def test_keyless_queries_follow_hf_eager_attention(family: str, kw: dict, holes: bool) -> None:
     """A model transformers runs with eager attention: its queries that see no key (left pads; a pad
@@ -478,7 +479,7 @@ def test_padded_sequences_compute_the_boolean_mask(monkeypatch: pytest.MonkeyPat
         assert rel(got, ref) < 1e-12, f"{name}: {rel(got, ref):.3g}"
 
 
-@pytest.mark.parametrize("side", ["left", "right", "both"])
+@pytest.mark.parametrize("side", ["left", *(pytest.param(s, marks=pytest.mark.slow) for s in ("right", "both"))])
 def test_model_over_padded_sequences_matches_hf(monkeypatch: pytest.MonkeyPatch, side: str) -> None:
     """The whole model taking the sequence form (as on a GPU in bf16; here fp32 through flash's
     reference) against HF with the same attention_mask: logits of every token, loss, gradients."""

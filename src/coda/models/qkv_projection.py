@@ -87,16 +87,22 @@ def qkv_backward(d_qkv: torch.Tensor, saved: torch.Tensor, rstd: torch.Tensor | 
     return dz, zdz, grads
 
 
+def _qk_columns(g_q: torch.Tensor, g_k: torch.Tensor) -> tuple[slice, slice, slice]:
+    """The q, k and v columns of the QKV output (q and k as wide as their norm weights)."""
+    nq, nk = g_q.shape[0], g_k.shape[0]
+    return slice(0, nq), slice(nq, nq + nk), slice(nq + nk, None)
+
+
 def _whole_fwd(z: torch.Tensor, g_q: torch.Tensor, g_k: torch.Tensor, pos: torch.Tensor, freq_q: torch.Tensor,
                freq_k: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    nq, nk = g_q.shape[0], g_k.shape[0]
-    out = torch.empty_like(z)
-    h, rstd_q = rms_prep(z[:, :nq], g_q, eps)
-    rope_pairs_rows(h, pos, freq_q, out=out[:, :nq])
-    h, rstd_k = rms_prep(z[:, nq:nq + nk], g_k, eps)
-    rope_pairs_rows(h, pos, freq_k, out=out[:, nq:nq + nk])
-    out[:, nq + nk:] = z[:, nq + nk:]
-    return out, rstd_q, rstd_k
+    q, k, v = _qk_columns(g_q, g_k)
+    out, rstds = torch.empty_like(z), []
+    for cols, g, freq in ((q, g_q, freq_q), (k, g_k, freq_k)):
+        h, rstd = rms_prep(z[:, cols], g, eps)
+        rope_pairs_rows(h, pos, freq, out=out[:, cols])
+        rstds.append(rstd)
+    out[:, v] = z[:, v]
+    return out, rstds[0], rstds[1]
 
 
 def _whole_fake(z, g_q, g_k, pos, freq_q, freq_k, eps):
@@ -111,14 +117,13 @@ def _whole_save(z, g_q, g_k, pos, freq_q, freq_k, eps, *, out):
 def _whole_bwd(d_out: torch.Tensor, z: torch.Tensor, g_q: torch.Tensor, g_k: torch.Tensor, pos: torch.Tensor,
                freq_q: torch.Tensor, freq_k: torch.Tensor, rstd_q: torch.Tensor,
                rstd_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    nq, nk = g_q.shape[0], g_k.shape[0]
-    dz = torch.empty_like(z)
-    _, dg_q = rms_backward(rope_pairs_rows(d_out[:, :nq], pos, freq_q, inverse=True), z[:, :nq], g_q, rstd_q,
-                           out=dz[:, :nq])
-    _, dg_k = rms_backward(rope_pairs_rows(d_out[:, nq:nq + nk], pos, freq_k, inverse=True), z[:, nq:nq + nk], g_k,
-                           rstd_k, out=dz[:, nq:nq + nk])
-    dz[:, nq + nk:] = d_out[:, nq + nk:]
-    return dz, dg_q.to(g_q.dtype), dg_k.to(g_k.dtype)
+    q, k, v = _qk_columns(g_q, g_k)
+    dz, dgs = torch.empty_like(z), []
+    for cols, g, freq, rstd in ((q, g_q, freq_q, rstd_q), (k, g_k, freq_k, rstd_k)):
+        dh = rope_pairs_rows(d_out[:, cols], pos, freq, inverse=True)
+        dgs.append(rms_backward(dh, z[:, cols], g, rstd, out=dz[:, cols])[1].to(g.dtype))
+    dz[:, v] = d_out[:, v]
+    return dz, dgs[0], dgs[1]
 
 
 def _whole_bwd_fake(d_out, z, g_q, g_k, pos, freq_q, freq_k, rstd_q, rstd_k):

@@ -19,9 +19,9 @@ Variants, each in its own process (patching libraries change classes globally):
 Before it is timed, each variant's logits on the first sequence are checked against transformers'
 on the same weights (coda_compile's before it is compiled): their relative error against
 transformers' in the same dtype and in fp32 is in its row, and over CHECK_TOLERANCE or twice
-transformers' own error against fp32, whichever is larger, the variant fails. A coda variant for a family coda does not support (from_hf
-raises ValueError, coda.patch TypeError) is a row marked skipped, with the error's text; a variant
-that fails otherwise is a note.
+transformers' own error against fp32, whichever is larger, the variant fails. A coda variant for a
+family coda does not support (from_hf raises ValueError, coda.patch TypeError) is a row marked
+skipped, with the error's text; a variant that fails otherwise is a note.
 Step: forward, backward, fused AdamW, bf16 parameters, synthetic tokens (labels = inputs). With
 --packed each row holds documents of seq/8 to seq/2 tokens (512-2048 at 4096): position_ids restart
 at 0 per document and the first token of each document is not a target. Per variant: warm-up steps,
@@ -208,14 +208,18 @@ def fp32_logits(hf, inputs: dict):
     return logits
 
 
-def logits_error(model, reference, inputs: dict) -> float:
-    """The relative error of the model's logits against transformers' (`reference`, the same weights
-    and inputs): each variant is checked before it is timed."""
+def relative_error(out, reference) -> float:
+    return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+def logits_errors(model, inputs: dict, *references) -> list[float]:
+    """The relative errors of the model's logits (one forward) against each of transformers'
+    (`references`, the same weights and inputs): each variant is checked before it is timed."""
     import torch
 
     with torch.no_grad():
         out = model(**inputs).logits
-    return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+    return [relative_error(out, r) for r in references]
 
 
 def batches(vocab: int, batch: int, seq: int, packed: bool, device: str, count: int = 4) -> list[dict]:
@@ -263,14 +267,14 @@ def run_variant(args) -> dict:
     with torch.no_grad():
         reference = hf(**check).logits
     exact = fp32_logits(hf, check)
-    hf_err = ((reference.float() - exact).norm() / exact.norm()).item()
+    hf_err = relative_error(reference, exact)
     try:
         model = build(args.variant, hf)
     except Unsupported as exc:
         return {**row, "skipped": str(exc)[:500]}
     del hf  # (a converted model holds its own weights: the peak below counts the model trained only)
-    row["logits_rel_err"] = logits_error(model, reference, check)
-    row["logits_fp32_err"], row["hf_logits_fp32_err"] = logits_error(model, exact, check), hf_err
+    row["logits_rel_err"], row["logits_fp32_err"] = logits_errors(model, check, reference, exact)
+    row["hf_logits_fp32_err"] = hf_err
     del reference, exact
     bound = max(CHECK_TOLERANCE, 2 * hf_err)
     if not row["logits_fp32_err"] < bound:

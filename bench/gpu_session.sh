@@ -94,4 +94,5 @@ for step in $steps; do
     *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, step_gaps, compile_times, timeline)"; exit 2 ;;
   esac
 done
-[ -d "$CODA_CACHE_DIR/tuning" ] && tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning
+# (an if, not `&&`: with no tuning cache the call still exits 0)
+if [ -d "$CODA_CACHE_DIR/tuning" ]; then tar -C "$CODA_CACHE_DIR" -czf "$OUT/tuning.tgz" tuning; fi

@@ -109,6 +109,16 @@ MODELS = {
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
         vocab_size=100352, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), tiny=dict(_TINY, num_key_value_heads=4)),
+    "smollm3-3b": Family("SmolLM3Config", "SmolLM3ForCausalLM", dict(  # every 4th layer without RoPE
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+        vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=65536,
+        pad_token_id=128004, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}),
+        tiny=dict(_TINY, num_hidden_layers=4, pad_token_id=0)),
+    "granite3.3-2b": Family("GraniteConfig", "GraniteForCausalLM", dict(  # its four multipliers
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=49159, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        attention_multiplier=0.015625, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}), tiny=_TINY),
 }
 
 

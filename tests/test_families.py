@@ -59,6 +59,13 @@ FROM_HF_CASES = {
     # test's sake (PATCH_CASES says why)
     "olmo2": dict(initializer_range=0.2, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    # layer 0 without RoPE (no_rope_layers 0), windowed (a window shorter than the sequence), layer 1
+    # rotating with full attention; tied (its default); the default pad id is past VOCAB
+    "smollm3": dict(no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=4, pad_token_id=0),
+    # the four multipliers away from 1 (Granite 3's own are of these sizes), logits_scaling not a
+    # power of two (a division that rounds), tied
+    "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4,
+                    logits_scaling=3.0, tie_word_embeddings=True),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -85,6 +92,12 @@ PATCH_CASES = {
     # weights of std 0.2, not 0.02: at init scale the attention's output is so small that the q/k
     # gradients (~1e-6) are under bf16's noise, HF's own bf16 run 1-7x off in them, no measure of coda's
     "olmo2": dict(attention_bias=True, tie_word_embeddings=True, initializer_range=0.2),
+    # HF's attention: layer 1 without RoPE, layer 0 windowed
+    "smollm3": dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4, pad_token_id=0),
+    # HF's embedding, residual adds and attention with their multipliers; coda's LM head divides by
+    # logits_scaling (with labels and without)
+    "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4,
+                    logits_scaling=3.0),
 }
 
 
@@ -201,6 +214,9 @@ def test_patch_matches_hf_in_fp32(model_type: str) -> None:
      "rope_parameters"),
     ("llama", dict(some_future_field=1), "some_future_field"),  # unknown: refused, not ignored
     ("qwen3", dict(attention_bias=True), "attention_bias"),  # Qwen3's also biases o_proj
+    ("granite", dict(mlp_bias=True), "mlp_bias"),
+    ("granite", dict(residual_multiplier=float("inf")), "residual_multiplier"),
+    ("smollm3", dict(no_rope_layers=[1, 2]), "no_rope_layers"),  # 0 or 1 per layer
 ])
 def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, field: str) -> None:
     config = CONFIGS[model_type](**SHAPE, **kw)
@@ -219,18 +235,30 @@ def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, f
     ("phi3", dict(some_future_field=1), "some_future_field"),
     ("olmo2", dict(hidden_act="gelu"), "hidden_act"),
     ("olmo2", dict(some_future_field=1), "some_future_field"),
+    ("granite", dict(logits_scaling=0.0), "logits_scaling"),  # the LM head divides by it
+    ("granite", dict(mlp_bias=True), "mlp_bias"),
 ])
 def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: dict, field: str) -> None:
     with pytest.raises(TypeError, match=rf"{model_type}: .*{field}="):
         coda.patch(Shell(CONFIGS[model_type](**SHAPE, **kw)))
 
 
-@pytest.mark.parametrize("model_type", ["granite", "cohere", "mixtral"])
+@pytest.mark.parametrize("model_type", ["starcoder2", "cohere", "mixtral"])
 def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
     config = default_config(model_type)
     for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):
         with pytest.raises(error, match=f"model_type {model_type!r} is not supported"):
             convert(Shell(config))
+
+
+def test_smollm3_windows_transformers_applies_inconsistently_are_refused_by_from_hf() -> None:
+    """A SmolLM3 config whose layer_types has windowed layers while use_sliding_window is off: transformers
+    masks a window (SDPA, eager) that flash attention does not apply, so from_hf refuses it; coda.patch
+    keeps HF's attention, whichever it runs, and takes it."""
+    config = CONFIGS["smollm3"](**SHAPE, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="smollm3: layer_types has sliding_attention layers while use_sliding_window"):
+        coda.models.from_hf(Shell(config))
+    assert families.problems(config, PATCH) == []
 
 
 def test_real_models_that_do_not_fit_are_refused() -> None:
@@ -246,10 +274,10 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "granite"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
-    layout, OLMo 2's post-norms and whole-width q/k norms in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
+    layout, OLMo 2's post-norms and whole-width q/k norms, Granite's multipliers (folded into weights) in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
     gradients are no further off than HF's own bf16 run (the bound of test_llama_model's bf16 test:
     twice HF's error, plus a bf16 ulp, for the different rounding points)."""
     hf32 = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -264,9 +292,9 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "smollm3", "granite"])
 def test_from_hf_logits_match_hf(model_type: str) -> None:
-    """Without labels the model returns HF's logits (Gemma 2's capped)."""
+    """Without labels the model returns HF's logits (Gemma 2's capped, Granite's scaled)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
     ids, _ = batch()
     with torch.no_grad():
@@ -286,10 +314,10 @@ def test_from_hf_warns_where_transformers_runs_gemma2_uncapped() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "olmo2", "granite"])
 def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
     """Gemma 1's gains formed outside the fused segments, the row passes of Gemma 2/3's sandwich norms
-    and OLMo 2's post-norms and q/k norms, and the capped attention, trace whole (fullgraph) and
+    and OLMo 2's post-norms and q/k norms, the capped attention, and Granite's scaled weights, trace whole (fullgraph) and
     recompute under activation checkpointing: the eager loss and gradients."""
     torch._dynamo.reset()
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -308,7 +336,8 @@ def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: 
 def test_config_refuses_layouts_no_family_has() -> None:
     """OLMo 2's post-norm layer has no input norms and whole-width q/k norms: with Gemma's norms or
     sandwich layer, per-head QK-norm or q/k/v biases the config would describe a model no family is;
-    so would Gemma 2/3's sandwich layer without Gemma's (1 + w) norms and GeGLU."""
+    so would Gemma 2/3's sandwich layer without Gemma's (1 + w) norms and GeGLU, and Granite's
+    residual multiplier on a layer that normalizes its outputs."""
     shape = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1)
     coda.models.LlamaConfig(**shape, post_norm=True)
@@ -319,6 +348,10 @@ def test_config_refuses_layouts_no_family_has() -> None:
             coda.models.LlamaConfig(**shape, post_norm=True, **{other: True})
     with pytest.raises(ValueError, match="sandwich .* without gemma's norms and MLP describes no family"):
         coda.models.LlamaConfig(**shape, sandwich=True)
+    coda.models.LlamaConfig(**shape, residual_multiplier=0.5)  # Granite
+    for layer in (dict(gemma=True, sandwich=True), dict(post_norm=True)):  # a norm on the output undoes the scale
+        with pytest.raises(ValueError, match="residual_multiplier .* describes no family"):
+            coda.models.LlamaConfig(**shape, residual_multiplier=0.5, **layer)
 
 
 @pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
@@ -358,12 +391,13 @@ def test_from_hf_reads_every_weight() -> None:
         model.load_hf_state_dict(missing)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "granite"])
 def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
-    """The families with their own layer patch: every norm and MLP of a decoder layer runs coda's
+    """The families with their own layer patch or LM head: every norm and MLP of a decoder layer runs coda's
     forward (OLMo 2's q/k norms inside attention too), and the attention HF's forward code with coda's
     RoPE (Phi-3's partial rotary), parameter names and state_dict unchanged,
-    greedy .generate() gives HF's tokens (the final norm + LM head through rmsnorm_linear)."""
+    greedy .generate() gives HF's tokens (the final norm + LM head through rmsnorm_linear, Granite's
+    logits divided by logits_scaling)."""
     hf = hf_model(model_type, **PATCH_CASES[model_type])
     model = coda.patch(copy.deepcopy(hf))
     ref = hf.state_dict()
@@ -399,7 +433,7 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;
     Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU): against

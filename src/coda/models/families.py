@@ -12,6 +12,7 @@ refused: never a silently different model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,9 @@ class Family:
     sandwich: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too, the MLP's own norm in front of it
     post_norm: bool = False  # OLMo 2: norms only on the attention and MLP outputs; whole-width q/k norms
     fused_projections: bool = False  # one qkv_proj and one gate_up_proj ([gate; up] rows) per layer (Phi-3)
+    # A condition across fields that coda's own model needs (a problem sentence, or None), for what
+    # one field's rule cannot see; coda.patch runs the family's own attention whatever it says.
+    consistent: Callable[[Any], str | None] | None = None
 
 
 _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
@@ -159,6 +163,34 @@ _PHI3 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
 # attention under coda.patch; row passes in coda's model: Family.post_norm).
 _OLMO2 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS)}
 
+# SmolLM3: Llama's layer; `no_rope_layers` marks the layers whose q and k rotate (LlamaConfig.rope:
+# the others' rotation is the identity), and windows apply where layer_types says, if use_sliding_window.
+_SMOLLM3 = {**_LLAMA, "sliding_window": ANY, "use_sliding_window": ANY, "layer_types": _attention_only(LAYER_TYPES),
+            "no_rope_layers": _attention_only(Rule(lambda v: isinstance(v, (list, tuple)) and set(v) <= {0, 1},
+                                                   "a list of 0 and 1 (1: the layer rotates)")),
+            "no_rope_layer_interval": DERIVED}
+
+
+def _smollm3_windows(config: Any) -> str | None:
+    """transformers' SmolLM3 windows a layer in its masks wherever layer_types says
+    "sliding_attention", but in flash attention only if use_sliding_window is set too: refused
+    where the two disagree."""
+    types_ = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in types_ and not getattr(config, "use_sliding_window", False):
+        return ("smollm3: layer_types has sliding_attention layers while use_sliding_window=False (transformers "
+                "windows them in its masks but not in flash attention)")
+    return None
+
+
+FINITE = Rule(lambda v: isinstance(v, (int, float)) and math.isfinite(v), "a finite number")
+NONZERO = Rule(lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v != 0, "a finite, nonzero number")
+# Granite: Llama's layer with four numbers (LlamaConfig): the attention scale itself, the embedding's
+# multiplier, the residual multiplier (HF's decoder layer and embedding, kept by coda.patch, apply
+# those), and the logits' divisor (coda.patch's LM head applies it).
+_GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
+            "embedding_multiplier": _attention_only(FINITE), "residual_multiplier": _attention_only(FINITE),
+            "logits_scaling": NONZERO}
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
@@ -171,6 +203,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, sandwich=True, qk_norm=True),
     Family("phi3", BOTH, _PHI3, fused_projections=True),
     Family("olmo2", BOTH, _OLMO2, post_norm=True),
+    Family("smollm3", BOTH, _SMOLLM3, consistent=_smollm3_windows),
+    Family("granite", BOTH, _GRANITE),
 )}
 
 
@@ -219,4 +253,6 @@ def problems(config: Any, entry: str) -> list[str]:
                          "change the math)")
         elif entry in rule.entries and not rule.ok(value):
             found.append(f"{model_type}: {name}={value!r} (coda handles {rule.handles})")
+    if entry == FROM_HF and family.consistent is not None and (problem := family.consistent(config)):
+        found.append(problem)
     return found

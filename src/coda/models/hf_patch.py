@@ -1,5 +1,5 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
-Phi-3, OLMo 2) through coda's ops.
+Phi-3, OLMo 2, SmolLM3, Granite) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -25,11 +25,12 @@ What runs through coda:
 * the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
   materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
-Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32. What stays HF's: the embedding
-(with Gemma's scale), the q/k/v projections (three separate projections inside HF's attention,
-which coda does not rewrite), the rotary embedding's cos and sin, and attention, with whatever the
-family does there (Qwen2's q/k/v biases, sliding windows, Gemma's per-layer-type RoPE and attention
-scale). Which families and config
+Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32; Granite's final norm carries its
+1 / logits_scaling. What stays HF's: the embedding (with Gemma's scale or Granite's multiplier), the
+decoder layer's residual adds (with Granite's multiplier), the q/k/v projections (three separate
+projections inside HF's attention, which coda does not rewrite), the rotary embedding's cos and sin,
+and attention, with whatever the family does there (Qwen2's q/k/v biases, sliding windows, Gemma's
+per-layer-type RoPE and attention scale, SmolLM3's layers without RoPE). Which families and config
 fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
@@ -66,8 +67,11 @@ def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _gain(norm: nn.Module) -> torch.Tensor:
     """The RMSNorm's per-column scale g: its weight, or Gemma's 1 + w in fp32 (HF's Gemma3RMSNorm
-    scales in fp32 and rounds once, as coda's row pass does; dg maps back to dw unchanged)."""
-    return 1.0 + norm.weight.float() if norm._coda_unit_offset else norm.weight
+    scales in fp32 and rounds once, as coda's row pass does; dg maps back to dw unchanged). The
+    final norm of Granite divides it by logits_scaling (in fp32): logits = (norm(x) g / s) W^T."""
+    g = 1.0 + norm.weight.float() if norm._coda_unit_offset else norm.weight
+    divisor = getattr(norm, "_coda_logits_scaling", None)
+    return g if divisor is None else g.float() / divisor
 
 
 def _eps(norm: nn.Module) -> float:
@@ -292,9 +296,13 @@ def patch(model: nn.Module) -> nn.Module:
         swapped += [f"model.layers.{i}.{mlp_norm}+mlp -> coda.ops.{mlp_op.__name__}"]
     norm = model.model.norm
     norm._coda_unit_offset = gemma
-    # With labels the final norm runs alone before linear_cross_entropy: HF's, or for Gemma coda's
-    # (the same rounding as HF's Gemma norm).
-    norm._coda_forward, norm._coda_deferred = types.MethodType(_norm, norm) if gemma else norm.forward, False
+    scaling = float(getattr(model.config, "logits_scaling", 1.0))  # Granite: logits / logits_scaling
+    if scaling != 1.0:
+        norm._coda_logits_scaling = scaling
+    # With labels the final norm runs alone before linear_cross_entropy: HF's, or coda's for Gemma
+    # (the same rounding as HF's Gemma norm) and where it carries Granite's logits scaling.
+    own = gemma or scaling != 1.0
+    norm._coda_forward, norm._coda_deferred = types.MethodType(_norm, norm) if own else norm.forward, False
     norm.forward = types.MethodType(_final_norm, norm)
     model.forward = types.MethodType(_causal_lm_forward, model)
     swapped += ["model.norm+lm_head -> coda.ops.rmsnorm_linear (logits)",

@@ -16,6 +16,7 @@ forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -72,6 +73,14 @@ class LlamaConfig:
     attn_softcap: float | None = None  # attention scores c * tanh(s / c) before the softmax (Gemma 2)
     final_softcap: float | None = None  # logits c * tanh(l / c) before the loss (Gemma 2)
     fused_projections: bool = False  # HF holds one qkv_proj and one gate_up_proj per layer (Phi-3): names only
+    rotary_layers: tuple[bool, ...] | None = None  # per layer whether q and k rotate (SmolLM3's NoPE layers: not)
+    # Granite's four numbers: the attention scale itself (None: from query_pre_attn_scalar or head_dim),
+    # the embedding times embedding_multiplier (None: no scale, or Gemma's), each attention and MLP
+    # output times residual_multiplier before its residual add, the logits divided by logits_scaling.
+    attention_multiplier: float | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # What a query that sees no key (a left pad) outputs: "zeros" (transformers' SDPA, flash and flex
     # attention) or "mean", every value of its row averaged (transformers' eager attention: attention.py)
     keyless_queries: str = "zeros"
@@ -82,6 +91,9 @@ class LlamaConfig:
         if self.post_norm and (self.gemma or self.sandwich or self.qk_norm or self.qkv_bias):
             raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, sandwich, qk_norm or qkv_bias "
                              "describes no family coda computes")
+        if self.residual_multiplier != 1.0 and (self.sandwich or self.post_norm):
+            raise ValueError("LlamaConfig: residual_multiplier (Granite's) with sandwich or post_norm describes no "
+                             "family coda computes (a norm on the output would undo the scaled weights)")
         if self.sandwich and not self.gemma:
             raise ValueError("LlamaConfig: sandwich (Gemma 2/3's layer) without gemma's norms and MLP describes no "
                              "family coda computes")
@@ -97,6 +109,8 @@ class LlamaConfig:
 
     @property
     def attn_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
 
     def window(self, layer: int) -> int | None:
@@ -106,7 +120,12 @@ class LlamaConfig:
         return self.sliding_window
 
     def rope(self, layer: int) -> tuple[float, tuple[float, ...] | None]:
-        """Layer `layer`'s RoPE (theta, scaling): Gemma 3's sliding layers have their own."""
+        """Layer `layer`'s RoPE (theta, scaling): Gemma 3's sliding layers have their own. A layer
+        that does not rotate (SmolLM3's NoPE) gets a linear factor of infinity: every frequency is
+        0, so cos is 1 and sin 0 at every position and the rotation is the identity, exactly (the
+        same kernels run, for the price of a few multiplies)."""
+        if self.rotary_layers is not None and not self.rotary_layers[layer]:
+            return self.rope_theta, (math.inf,)
         if self.local_rope is not None and self.layer_types is not None \
                 and self.layer_types[layer] == "sliding_attention":
             return self.local_rope
@@ -126,6 +145,20 @@ class LlamaConfig:
             return tuple(None if w is None else self.gain(w) for w in ws)
         parts = iter((1.0 + torch.cat([w.reshape(-1) for w in given]).float()).split([w.numel() for w in given]))
         return tuple(None if w is None else next(parts).view(w.shape) for w in ws)
+
+    def residual_weights(self, wo: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and down projections as the fused segments use them: Granite's
+        residual_multiplier m scales the GEMM output before the residual add, x + m (a W^T) =
+        x + a (m W)^T, so the weights are scaled (one pass over each weight a step, autograd
+        carrying m into their gradients) and the segments' epilogues stay those of every family."""
+        if self.residual_multiplier == 1.0:
+            return wo, w_down
+        return wo * self.residual_multiplier, w_down * self.residual_multiplier
+
+    def final_gain(self, g: torch.Tensor) -> torch.Tensor:
+        """The final norm's scale with Granite's 1 / logits_scaling folded in (in fp32): logits =
+        (norm(x) g / s) W^T, both with labels (the fused loss) and without (returned logits)."""
+        return g if self.logits_scaling == 1.0 else g.float() / self.logits_scaling
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
@@ -161,7 +194,12 @@ class LlamaConfig:
                    query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
                    attn_softcap=_number(config, "attn_logit_softcapping"),
                    final_softcap=_number(config, "final_logit_softcapping"),
-                   keyless_queries="mean" if hf_attention(config) == "eager" else "zeros")
+                   keyless_queries="mean" if hf_attention(config) == "eager" else "zeros",
+                   rotary_layers=_rotary_layers(config),
+                   attention_multiplier=_number(config, "attention_multiplier"),
+                   embedding_multiplier=_number(config, "embedding_multiplier"),
+                   residual_multiplier=_number(config, "residual_multiplier", 1.0),
+                   logits_scaling=_number(config, "logits_scaling", 1.0))
 
 
 def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] | None]:
@@ -176,9 +214,15 @@ def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] 
     return theta, None
 
 
-def _number(config, name: str) -> float | None:
+def _rotary_layers(config) -> tuple[bool, ...] | None:
+    """SmolLM3's `no_rope_layers` (despite the name, 1 marks a layer that rotates), one per layer."""
+    flags = getattr(config, "no_rope_layers", None)
+    return None if flags is None else tuple(bool(f) for f in flags[:config.num_hidden_layers])
+
+
+def _number(config, name: str, default: float | None = None) -> float | None:
     value = getattr(config, name, None)
-    return None if value is None else float(value)
+    return default if value is None else float(value)
 
 
 class AttnParams(NamedTuple):
@@ -251,21 +295,23 @@ class LlamaLayer(nn.Module):
         g_post_attn, g_ffn, g_post_ffn, g_final, g_attn, g_q, g_k = c.gains(
             self.post_attn_norm, self.ffn_norm, self.post_ffn_norm, final_norm if self.next_w_qkv is None else None,
             self.next_attn_norm, self.next_q_norm, self.next_k_norm)
+        g_final = None if g_final is None else c.final_gain(g_final)
+        wo, w_down = c.residual_weights(self.wo, self.w_down)
         if c.sandwich or c.post_norm:  # norms on the outputs: row passes, then the next qkv as layer 0's
             if c.post_norm:
-                x2 = post_norm_residual(attn, x, self.wo, g_post_attn, self.w_gate_up, self.w_down, g_post_ffn,
+                x2 = post_norm_residual(attn, x, wo, g_post_attn, self.w_gate_up, w_down, g_post_ffn,
                                         c.rms_norm_eps)
             else:
-                x2 = sandwich_residual(attn, x, self.wo, g_post_attn, g_ffn, self.w_gate_up, self.w_down, g_post_ffn,
+                x2 = sandwich_residual(attn, x, wo, g_post_attn, g_ffn, self.w_gate_up, w_down, g_post_ffn,
                                        c.rms_norm_eps, c.activation)
             if self.next_w_qkv is None:
                 return rmsnorm(x2, g_final, c.rms_norm_eps), None
             return x2, qkv_segment(c, self.index + 1, x2, pos, g_attn, self.next_w_qkv, self.next_b_qkv, g_q, g_k)
         if self.next_w_qkv is None:
-            return last_segment(attn, x, self.wo, g_ffn, self.w_gate_up, self.w_down, g_final, c.rms_norm_eps,
+            return last_segment(attn, x, wo, g_ffn, self.w_gate_up, w_down, g_final, c.rms_norm_eps,
                                 c.activation), None
         theta, scaling = c.rope(self.index + 1)
-        w = NativeBlockWeights(wo=self.wo, g_ffn=g_ffn, w_gate_up=self.w_gate_up, w_down=self.w_down,
+        w = NativeBlockWeights(wo=wo, g_ffn=g_ffn, w_gate_up=self.w_gate_up, w_down=w_down,
                                g_attn=g_attn, w_qkv=self.next_w_qkv,
                                n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
                                rope_base=theta, rope_scaling=None if scaling is None else list(scaling),
@@ -535,6 +581,8 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids.reshape(-1), self.embed_tokens, padding_idx=c.pad_token_id)
         if c.gemma:  # HF's scale: sqrt(D) as an fp32 number, rounded to the embedding's dtype
             x = x * torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+        elif c.embedding_multiplier is not None:  # Granite's, as HF: a Python number (products in fp32, one rounding)
+            x = x * c.embedding_multiplier
         attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(0)
         g_attn, g_q, g_k = c.gains(attn_norm, q_norm, k_norm)
         qkv = qkv_segment(c, 0, x, pos, g_attn, w_qkv, b_qkv, g_q, g_k)

@@ -59,6 +59,12 @@ FROM_HF_CASES = {
     # test's sake (PATCH_CASES says why)
     "olmo2": dict(initializer_range=0.2, rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    # OLMo 2's layer with a window shorter than the sequence on layer 0 and a RoPE per layer type
+    "olmo3": dict(initializer_range=0.2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                   "full_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 8.0}}),
+    # Mistral's layer, windowed where layer_types says (layer 1); head_dim apart from hidden_size / heads
+    "ministral": dict(sliding_window=4, layer_types=["full_attention", "sliding_attention"], head_dim=16),
     # layer 0 without RoPE (no_rope_layers 0), windowed (a window shorter than the sequence), layer 1
     # rotating with full attention; tied (its default); the default pad id is past VOCAB
     "smollm3": dict(no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=4, pad_token_id=0),
@@ -92,6 +98,12 @@ PATCH_CASES = {
     # weights of std 0.2, not 0.02: at init scale the attention's output is so small that the q/k
     # gradients (~1e-6) are under bf16's noise, HF's own bf16 run 1-7x off in them, no measure of coda's
     "olmo2": dict(attention_bias=True, tie_word_embeddings=True, initializer_range=0.2),
+    # HF's attention: whole-width q/k norms, q/k/v/o biases, layer 0 windowed with its own RoPE
+    "olmo3": dict(attention_bias=True, initializer_range=0.2, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "ministral": dict(sliding_window=4, layer_types=["full_attention", "sliding_attention"], head_dim=16),
     # HF's attention: layer 1 without RoPE, layer 0 windowed
     "smollm3": dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4, pad_token_id=0),
     # HF's embedding, residual adds and attention with their multipliers; coda's LM head divides by
@@ -274,7 +286,8 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "granite"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3",
+                                        "granite"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
     layout, OLMo 2's post-norms and whole-width q/k norms, Granite's multipliers (folded into weights) in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
@@ -292,7 +305,8 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "smollm3", "granite"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3", "smollm3",
+                                        "granite"])
 def test_from_hf_logits_match_hf(model_type: str) -> None:
     """Without labels the model returns HF's logits (Gemma 2's capped, Granite's scaled)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -391,7 +405,7 @@ def test_from_hf_reads_every_weight() -> None:
         model.load_hf_state_dict(missing)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "granite"])
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "granite"])
 def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
     """The families with their own layer patch or LM head: every norm and MLP of a decoder layer runs coda's
     forward (OLMo 2's q/k norms inside attention too), and the attention HF's forward code with coda's

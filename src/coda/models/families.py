@@ -162,6 +162,8 @@ _PHI3 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
 # OLMo 2: norms on the attention and MLP outputs (no input norms), whole-width q/k norms (inside HF's
 # attention under coda.patch; row passes in coda's model: Family.post_norm).
 _OLMO2 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS)}
+# OLMo 3: OLMo 2's layer with windows per layer (`layer_types`) and a RoPE per layer type (as Gemma 3's).
+_OLMO3 = {**_OLMO2, "sliding_window": ANY, "layer_types": _attention_only(LAYER_TYPES)}
 
 # SmolLM3: Llama's layer; `no_rope_layers` marks the layers whose q and k rotate (LlamaConfig.rope:
 # the others' rotation is the identity), and windows apply where layer_types says, if use_sliding_window.
@@ -194,6 +196,9 @@ _GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
+    # Ministral: Mistral's layer, its window on the layers `layer_types` names
+    Family("ministral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
+                               "layer_types": _attention_only(LAYER_TYPES)}),
     Family("qwen2", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}, qkv_bias=True),
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
@@ -203,6 +208,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, sandwich=True, qk_norm=True),
     Family("phi3", BOTH, _PHI3, fused_projections=True),
     Family("olmo2", BOTH, _OLMO2, post_norm=True),
+    Family("olmo3", BOTH, _OLMO3, post_norm=True),
     Family("smollm3", BOTH, _SMOLLM3, consistent=_smollm3_windows),
     Family("granite", BOTH, _GRANITE),
 )}

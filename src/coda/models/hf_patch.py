@@ -1,5 +1,5 @@
-"""coda.patch: run a transformers decoder model (Llama, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
-Phi-3, OLMo 2, SmolLM3, Granite) through coda's ops.
+"""coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Qwen2, Qwen3, Gemma 1,
+2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -35,7 +35,7 @@ fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
 of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. Families whose decoder layer
-is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 (norms on the attention and
+is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 and 3 (norms on the attention and
 MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
 """
 
@@ -201,6 +201,7 @@ def _patch_rope(i: int, layer: nn.Module) -> list[str]:
 # Families whose decoder layer differs from Llama's, by model_type (the rest: the loop in patch()).
 _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
     "olmo2": _patch_olmo2_layer,
+    "olmo3": _patch_olmo2_layer,  # OLMo 2's layer; its windows and per-type RoPE are inside HF's attention
 }
 
 

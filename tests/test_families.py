@@ -104,6 +104,11 @@ PATCH_CASES = {
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "ministral": dict(sliding_window=4, layer_types=["full_attention", "sliding_attention"], head_dim=16),
+    # Phi-3's fused gate_up_proj; HF's attention: q/k/v biases, interleaved RoPE over half of each head; the
+    # default pad id is past VOCAB
+    "glm": dict(head_dim=8, pad_token_id=0),
+    # GLM's layer with norms on the attention and MLP outputs (row passes)
+    "glm4": dict(head_dim=8, pad_token_id=0),
     # HF's attention: layer 1 without RoPE, layer 0 windowed
     "smollm3": dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4, pad_token_id=0),
     # HF's embedding, residual adds and attention with their multipliers; coda's LM head divides by
@@ -405,11 +410,11 @@ def test_from_hf_reads_every_weight() -> None:
         model.load_hf_state_dict(missing)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "granite"])
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "granite", "glm4"])
 def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
-    """The families with their own layer patch or LM head: every norm and MLP of a decoder layer runs coda's
-    forward (OLMo 2's q/k norms inside attention too), and the attention HF's forward code with coda's
-    RoPE (Phi-3's partial rotary), parameter names and state_dict unchanged,
+    """The families with their own layer patch, norms or LM head: every norm and MLP of a decoder layer runs
+    coda's forward (OLMo 2's q/k norms inside attention too, GLM-4's output norms), and the attention HF's
+    forward code with coda's RoPE (Phi-3's partial rotary; GLM-4's interleaved RoPE stays HF's), parameter names and state_dict unchanged,
     greedy .generate() gives HF's tokens (the final norm + LM head through rmsnorm_linear, Granite's
     logits divided by logits_scaling)."""
     hf = hf_model(model_type, **PATCH_CASES[model_type])
@@ -417,10 +422,10 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
     ref = hf.state_dict()
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in hf.named_parameters()]
     assert list(model.state_dict()) == list(ref) and all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    swapped = ("layernorm", "mlp", "q_norm", "k_norm") + (() if model_type.startswith("glm") else ("self_attn",))
     for name, module in model.model.layers.named_modules():
         ours = "forward" in vars(module)
-        assert ours == (name.endswith(("layernorm", "mlp", "q_norm", "k_norm", "self_attn"))), \
-            f"{name}: {'coda' if ours else 'HF'} forward"
+        assert ours == name.endswith(swapped), f"{name}: {'coda' if ours else 'HF'} forward"
     prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -447,7 +452,7 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "glm4"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;
     Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU): against

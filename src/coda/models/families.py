@@ -193,6 +193,13 @@ _GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
             "embedding_multiplier": _attention_only(FINITE), "residual_multiplier": _attention_only(FINITE),
             "logits_scaling": NONZERO}
 
+# GLM and GLM-4, through coda.patch only: Llama's layer names with Phi-3's fused gate_up_proj, GLM-4's
+# with norms on the attention and MLP outputs too (hf_patch._NORMS). Their RoPE rotates interleaved
+# pairs over part of each head, which coda's own model does not compute; coda.patch keeps HF's
+# attention and rotation, so the attention's fields are irrelevant to it.
+_GLM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
+        "partial_rotary_factor": _attention_only(ANY)}  # (transformers 5.17: outside rope_parameters)
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
@@ -211,6 +218,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmo3", BOTH, _OLMO3, post_norm=True),
     Family("smollm3", BOTH, _SMOLLM3, consistent=_smollm3_windows),
     Family("granite", BOTH, _GRANITE),
+    Family("glm", frozenset({PATCH}), _GLM),
+    Family("glm4", frozenset({PATCH}), _GLM),
 )}
 
 

@@ -1,5 +1,5 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Qwen2, Qwen3, Gemma 1,
-2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite) through coda's ops.
+2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -34,7 +34,8 @@ per-layer-type RoPE and attention scale, SmolLM3's layers without RoPE). Which f
 fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
-of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. Families whose decoder layer
+of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. GLM's MLP is Phi-3's, GLM-4's
+layer adds norms on the attention and MLP outputs (_NORMS); both keep HF's RoPE (_HF_ROPE). Families whose decoder layer
 is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 and 3 (norms on the attention and
 MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
 """
@@ -204,6 +205,23 @@ _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
     "olmo3": _patch_olmo2_layer,  # OLMo 2's layer; its windows and per-type RoPE are inside HF's attention
 }
 
+# The loop's layers, by model_type: the norm in front of the MLP (inside coda's fused MLP op) and the
+# norms that run alone. Llama's post-attention norm feeds the MLP. Gemma 2/3 and GLM-4 also normalize
+# the attention and MLP outputs before their residual adds (norms that need a GEMM output's whole
+# row), and Gemma's pre-feedforward norm feeds the MLP.
+_LLAMA_NORMS = ("post_attention_layernorm", ("input_layernorm",))
+_GEMMA_SANDWICH = ("pre_feedforward_layernorm", ("input_layernorm", "post_attention_layernorm",
+                                                 "post_feedforward_layernorm"))
+_NORMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gemma2": _GEMMA_SANDWICH,
+    "gemma3_text": _GEMMA_SANDWICH,
+    "glm4": ("post_attention_layernorm", ("input_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")),
+}
+
+# Families whose RoPE stays HF's: GLM's and GLM-4's rotate interleaved pairs (x[0::2], x[1::2]) of
+# part of each head, where coda.ops.rope rotates halves.
+_HF_ROPE = frozenset({"glm", "glm4"})
+
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                        logits_to_keep=0, **kwargs):
@@ -267,17 +285,12 @@ def patch(model: nn.Module) -> nn.Module:
     layer_patch = _LAYER_PATCHES.get(model.config.model_type)
     family = families.FAMILIES[model.config.model_type]
     gemma = family.gemma_norms  # (1 + w) norms, the GeGLU MLP
-    # The norm in front of the MLP runs inside coda's fused op; the others run alone. Llama's (and
-    # Gemma 1's) post-attention norm feeds the MLP. Gemma 2/3's normalizes the attention output
-    # before the residual add (a sandwich norm, as its post-feedforward norm does the MLP output),
-    # and its pre-feedforward norm feeds the MLP.
-    mlp_norm = "pre_feedforward_layernorm" if family.sandwich else "post_attention_layernorm"
+    mlp_norm, alone = _NORMS.get(model.config.model_type, _LLAMA_NORMS)
     mlp_op = rmsnorm_geglu_mlp if gemma else rmsnorm_swiglu_mlp
-    alone = ("input_layernorm", "post_attention_layernorm", "post_feedforward_layernorm") if family.sandwich \
-        else ("input_layernorm",)
     swapped = []
     for i, layer in enumerate(model.model.layers):
-        swapped += _patch_rope(i, layer)
+        if model.config.model_type not in _HF_ROPE:
+            swapped += _patch_rope(i, layer)
         if layer_patch is not None:
             swapped += layer_patch(i, layer)
             continue

@@ -5,6 +5,7 @@ gradients as the unpatched model in fp32, unchanged parameter names and state_di
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 
 import pytest
@@ -97,6 +98,21 @@ def test_patch_is_per_instance_and_idempotent() -> None:
     hf_rope = transformers.models.llama.modeling_llama.apply_rotary_pos_emb  # the module function stays HF's
     assert hf_rope.__module__ == "transformers.models.llama.modeling_llama"
     assert inspect.unwrap(type(model.model.layers[0].self_attn).forward).__globals__["apply_rotary_pos_emb"] is hf_rope
+
+
+def test_rope_is_swapped_only_where_hf_rotates_halves() -> None:
+    """Every supported family's attention whose RoPE is the halves rotation gets coda's; GLM's and
+    GLM-4's interleaved rotation is told apart by the probe and stays HF's; a function that is not a
+    rotation at all (or takes other arguments) is never swapped."""
+    from coda.models.hf_patch import _rotates_halves, _with_coda_rope
+
+    for module, cls, swapped in (("llama", "LlamaAttention", True), ("phi3", "Phi3Attention", True),
+                                 ("gemma3", "Gemma3Attention", True), ("glm", "GlmAttention", False),
+                                 ("glm4", "Glm4Attention", False)):
+        attn = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+        assert (_with_coda_rope(attn.forward) is not None) == swapped, cls
+    assert not _rotates_halves(lambda q, k, cos, sin: (q, k))
+    assert not _rotates_halves(lambda q, k, cos, sin, position_ids: (q, k))
 
 
 @pytest.mark.parametrize("batch_cos,rotary", [(2, 8), (1, 8), (2, 4)])

@@ -35,7 +35,8 @@ fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
 of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. GLM's MLP is Phi-3's, GLM-4's
-layer adds norms on the attention and MLP outputs (_NORMS); both keep HF's RoPE (_HF_ROPE). Families whose decoder layer
+layer adds norms on the attention and MLP outputs (_NORMS); both keep HF's RoPE, which rotates
+interleaved pairs (_rotates_halves). Families whose decoder layer
 is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 and 3 (norms on the attention and
 MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
 """
@@ -160,7 +161,8 @@ def _with_coda_rope(forward: Callable) -> Callable | None:
         cells = tuple(types.CellType(patched_inner) if i == held[0] else c for i, c in enumerate(cells))
         return _rebuilt(forward, forward.__globals__, cells, patched_inner)
     hf_rope = forward.__globals__.get("apply_rotary_pos_emb")
-    if not callable(hf_rope) or "apply_rotary_pos_emb" not in forward.__code__.co_names:
+    if not callable(hf_rope) or "apply_rotary_pos_emb" not in forward.__code__.co_names \
+            or not _rotates_halves(hf_rope):
         return None
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -171,6 +173,26 @@ def _with_coda_rope(forward: Callable) -> Callable | None:
 
     return _rebuilt(forward, {**forward.__globals__, "apply_rotary_pos_emb": apply_rotary_pos_emb},
                     forward.__closure__, None)
+
+
+def _rotates_halves(hf_rope: Callable) -> bool:
+    """Whether HF's `apply_rotary_pos_emb` computes what coda.ops.rope does (each head's two halves
+    paired, cos and sin over the whole head), tried on a small fp64 probe: GLM's, which rotates
+    interleaved pairs, does not, and keeps its own."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, heads, 3, 8, generator=g, dtype=torch.float64) for heads in (2, 1))
+    angles = torch.randn(1, 3, 4, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, -1)
+        return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+    try:
+        got = hf_rope(q, k, cos, sin)
+    except Exception:  # noqa: BLE001  (any signature or shape it does not take: not the rotation coda computes)
+        return False
+    return all(torch.allclose(a, rotated(x), rtol=1e-12, atol=1e-12) for a, x in zip(got, (q, k)))
 
 
 def _holds(cell: types.CellType, value: object) -> bool:
@@ -217,10 +239,6 @@ _NORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gemma3_text": _GEMMA_SANDWICH,
     "glm4": ("post_attention_layernorm", ("input_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")),
 }
-
-# Families whose RoPE stays HF's: GLM's and GLM-4's rotate interleaved pairs (x[0::2], x[1::2]) of
-# part of each head, where coda.ops.rope rotates halves.
-_HF_ROPE = frozenset({"glm", "glm4"})
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -289,8 +307,7 @@ def patch(model: nn.Module) -> nn.Module:
     mlp_op = rmsnorm_geglu_mlp if gemma else rmsnorm_swiglu_mlp
     swapped = []
     for i, layer in enumerate(model.model.layers):
-        if model.config.model_type not in _HF_ROPE:
-            swapped += _patch_rope(i, layer)
+        swapped += _patch_rope(i, layer)
         if layer_patch is not None:
             swapped += layer_patch(i, layer)
             continue

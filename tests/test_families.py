@@ -109,6 +109,9 @@ PATCH_CASES = {
     "glm": dict(head_dim=8, pad_token_id=0),
     # GLM's layer with norms on the attention and MLP outputs (row passes)
     "glm4": dict(head_dim=8, pad_token_id=0),
+    # OLMo 2's layer with per-head q/k norms; HF's attention: layer 0 windowed, layer 1 global without RoPE
+    "exaone4": dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    initializer_range=0.2),
     # HF's attention: layer 1 without RoPE, layer 0 windowed
     "smollm3": dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4, pad_token_id=0),
     # HF's embedding, residual adds and attention with their multipliers; coda's LM head divides by
@@ -410,7 +413,7 @@ def test_from_hf_reads_every_weight() -> None:
         model.load_hf_state_dict(missing)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "granite", "glm4"])
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "granite", "glm4", "exaone4"])
 def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
     """The families with their own layer patch, norms or LM head: every norm and MLP of a decoder layer runs
     coda's forward (OLMo 2's q/k norms inside attention too, GLM-4's output norms), and the attention HF's
@@ -452,7 +455,8 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "glm4"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "glm4",
+                                        "exaone4"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;
     Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU): against

@@ -200,6 +200,12 @@ _GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
 _GLM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
         "partial_rotary_factor": _attention_only(ANY)}  # (transformers 5.17: outside rope_parameters)
 
+# EXAONE 4, through coda.patch only: OLMo 2's layer (norms on the attention and MLP outputs) with
+# per-head q/k norms, windowed layers and global layers without RoPE, all inside HF's attention, which
+# coda.patch keeps (coda's own model computes per-head q/k norms only with input norms).
+_EXAONE4 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY, "sliding_window_pattern": DERIVED,
+            "layer_types": _attention_only(LAYER_TYPES)}
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
@@ -220,6 +226,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granite", BOTH, _GRANITE),
     Family("glm", frozenset({PATCH}), _GLM),
     Family("glm4", frozenset({PATCH}), _GLM),
+    Family("exaone4", frozenset({PATCH}), _EXAONE4),
 )}
 
 

@@ -1,5 +1,5 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Qwen2, Qwen3, Gemma 1,
-2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4) through coda's ops.
+2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4, EXAONE 4) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -225,6 +225,7 @@ def _patch_rope(i: int, layer: nn.Module) -> list[str]:
 _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
     "olmo2": _patch_olmo2_layer,
     "olmo3": _patch_olmo2_layer,  # OLMo 2's layer; its windows and per-type RoPE are inside HF's attention
+    "exaone4": _patch_olmo2_layer,  # OLMo 2's layer with per-head q/k norms (a row pass over each head as well)
 }
 
 # The loop's layers, by model_type: the norm in front of the MLP (inside coda's fused MLP op) and the

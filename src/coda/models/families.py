@@ -117,6 +117,7 @@ _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
           "attention_bias": _attention_only(NO_BIAS),
           # transformers 4.x splits the projections into `pretraining_tp` slices; coda handles none.
           "pretraining_tp": Rule(lambda v: v in (None, 1), "1")}
+_MISTRAL = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}
 # Sliding windows, per layer: masks.py; Qwen2's q/k/v biases: Family.qkv_bias; Qwen3's QK-norm:
 # Family.qk_norm (coda.patch keeps HF's attention, which computes it).
 LAYER_TYPES = Rule(lambda v: v is None or set(v) <= set(LAYER_TYPES_NAMES),
@@ -208,10 +209,9 @@ _EXAONE4 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY, "sl
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
-    Family("mistral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}),
+    Family("mistral", BOTH, _MISTRAL),
     # Ministral: Mistral's layer, its window on the layers `layer_types` names
-    Family("ministral", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
-                               "layer_types": _attention_only(LAYER_TYPES)}),
+    Family("ministral", BOTH, {**_MISTRAL, "layer_types": _attention_only(LAYER_TYPES)}),
     Family("qwen2", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}, qkv_bias=True),
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),

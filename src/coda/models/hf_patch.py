@@ -228,16 +228,14 @@ _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
     "exaone4": _patch_olmo2_layer,  # OLMo 2's layer with per-head q/k norms (a row pass over each head as well)
 }
 
-# The loop's layers, by model_type: the norm in front of the MLP (inside coda's fused MLP op) and the
-# norms that run alone. Llama's post-attention norm feeds the MLP. Gemma 2/3 and GLM-4 also normalize
-# the attention and MLP outputs before their residual adds (norms that need a GEMM output's whole
-# row), and Gemma's pre-feedforward norm feeds the MLP.
+# The loop's layers: the norm in front of the MLP (inside coda's fused MLP op) and the norms that run
+# alone. Llama's post-attention norm feeds the MLP. Gemma 2/3 (Family.sandwich) normalize the
+# attention and MLP outputs before their residual adds (norms that need a GEMM output's whole row),
+# and their pre-feedforward norm feeds the MLP; GLM-4 has such output norms under its own names.
 _LLAMA_NORMS = ("post_attention_layernorm", ("input_layernorm",))
 _GEMMA_SANDWICH = ("pre_feedforward_layernorm", ("input_layernorm", "post_attention_layernorm",
                                                  "post_feedforward_layernorm"))
 _NORMS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gemma2": _GEMMA_SANDWICH,
-    "gemma3_text": _GEMMA_SANDWICH,
     "glm4": ("post_attention_layernorm", ("input_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")),
 }
 
@@ -304,7 +302,7 @@ def patch(model: nn.Module) -> nn.Module:
     layer_patch = _LAYER_PATCHES.get(model.config.model_type)
     family = families.FAMILIES[model.config.model_type]
     gemma = family.gemma_norms  # (1 + w) norms, the GeGLU MLP
-    mlp_norm, alone = _NORMS.get(model.config.model_type, _LLAMA_NORMS)
+    mlp_norm, alone = _NORMS.get(model.config.model_type, _GEMMA_SANDWICH if family.sandwich else _LLAMA_NORMS)
     mlp_op = rmsnorm_geglu_mlp if gemma else rmsnorm_swiglu_mlp
     swapped = []
     for i, layer in enumerate(model.model.layers):

@@ -119,8 +119,9 @@ MODELS = {
         vocab_size=49159, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
         attention_multiplier=0.015625, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}), tiny=_TINY),
-    # coda.patch only (from_hf refuses its interleaved, partial RoPE); 9B: all 40 layers' weights and
-    # AdamW states do not fit 80 GB with the activations, so time it with --layers (e.g. 12)
+    # RoPE over interleaved pairs of half of each head, q/k/v biases, norms on the attention and MLP
+    # outputs; 9B: all 40 layers' weights and AdamW states do not fit 80 GB with the activations, so
+    # time it with --layers (e.g. 12)
     "glm4-9b": Family("Glm4Config", "Glm4ForCausalLM", dict(
         hidden_size=4096, intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=2,
         head_dim=128, vocab_size=151552, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=32768,

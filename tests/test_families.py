@@ -52,8 +52,9 @@ FROM_HF_CASES = {
     # logits are small), run against HF's eager attention (its default: SDPA cannot cap)
     "gemma2": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=6, final_logit_softcapping=0.5,
                    attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"]),
-    # fused qkv_proj and gate_up_proj; a window shorter than the sequence; the default pad id is past VOCAB
-    "phi3": dict(sliding_window=4, pad_token_id=0),
+    # fused qkv_proj and gate_up_proj; a window shorter than the sequence; RoPE over 6 of each head's 8
+    # dims (pairs (i, i + 3), an odd count: the last two dims pass through); the default pad id is past VOCAB
+    "phi3": dict(sliding_window=4, pad_token_id=0, partial_rotary_factor=0.75),
     # norms on the attention and MLP outputs, none in front; whole-width q/k norms before RoPE;
     # llama3 RoPE scaling (OLMo 2's configs keep Llama's RoPE types); weights of std 0.2 for the bf16
     # test's sake (PATCH_CASES says why)
@@ -72,6 +73,13 @@ FROM_HF_CASES = {
     # power of two (a division that rounds), tied
     "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4,
                     logits_scaling=3.0, tie_word_embeddings=True),
+    # Phi-3's fused gate_up_proj, q/k/v biases (its default attention_bias), RoPE over interleaved pairs
+    # (2i, 2i + 1) of the first half of each head (its default); the default pad id is past VOCAB
+    "glm": dict(head_dim=8, pad_token_id=0),
+    # GLM's layer with norms on the attention and MLP outputs (row passes), without biases; RoPE over
+    # 12 of each head's 16 dims, linearly scaled
+    "glm4": dict(head_dim=16, pad_token_id=0, attention_bias=False,
+                 rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.75}),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -237,6 +245,7 @@ def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     ("granite", dict(mlp_bias=True), "mlp_bias"),
     ("granite", dict(residual_multiplier=float("inf")), "residual_multiplier"),
     ("smollm3", dict(no_rope_layers=[1, 2]), "no_rope_layers"),  # 0 or 1 per layer
+    ("glm", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
 ])
 def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, field: str) -> None:
     config = CONFIGS[model_type](**SHAPE, **kw)
@@ -295,7 +304,7 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3",
-                                        "granite"])
+                                        "granite", "glm", "glm4"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
     layout, OLMo 2's post-norms and whole-width q/k norms, Granite's multipliers (folded into weights) in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
@@ -314,7 +323,7 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3", "smollm3",
-                                        "granite"])
+                                        "granite", "glm", "glm4"])
 def test_from_hf_logits_match_hf(model_type: str) -> None:
     """Without labels the model returns HF's logits (Gemma 2's capped, Granite's scaled)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -358,8 +367,9 @@ def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: 
 def test_config_refuses_layouts_no_family_has() -> None:
     """OLMo 2's post-norm layer has no input norms and whole-width q/k norms: with Gemma's norms or
     sandwich layer, per-head QK-norm or q/k/v biases the config would describe a model no family is;
-    so would Gemma 2/3's sandwich layer without Gemma's (1 + w) norms and GeGLU, and Granite's
-    residual multiplier on a layer that normalizes its outputs."""
+    so would Gemma 2/3's sandwich layer without Gemma's (1 + w) norms and GeGLU (GLM-4's, under its own
+    names), Granite's residual multiplier on a layer that normalizes its outputs, an odd rotary_dim,
+    q/k norms with a partial or interleaved RoPE, and per-layer lists of another length."""
     shape = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1)
     coda.models.LlamaConfig(**shape, post_norm=True)
@@ -368,8 +378,21 @@ def test_config_refuses_layouts_no_family_has() -> None:
     for other in ("gemma", "sandwich", "qk_norm", "qkv_bias"):
         with pytest.raises(ValueError, match="post_norm .* describes no family"):
             coda.models.LlamaConfig(**shape, post_norm=True, **{other: True})
-    with pytest.raises(ValueError, match="sandwich .* without gemma's norms and MLP describes no family"):
+    coda.models.LlamaConfig(**shape, sandwich=True, hf_family="glm4")  # GLM-4
+    with pytest.raises(ValueError, match="gemma=False, sandwich=True, post_norm=False is not gemma2's"):
         coda.models.LlamaConfig(**shape, sandwich=True)
+    with pytest.raises(ValueError, match="is not glm4's"):
+        coda.models.LlamaConfig(**shape, gemma=True, sandwich=True, hf_family="glm4")
+    with pytest.raises(ValueError, match="hf_family='exaone4' is not one from_hf supports"):
+        coda.models.LlamaConfig(**shape, hf_family="exaone4")
+    coda.models.LlamaConfig(**shape, rotary_dim=2)
+    with pytest.raises(ValueError, match="rotary_dim=3 must be even"):
+        coda.models.LlamaConfig(**shape, rotary_dim=3)
+    for layer in (dict(qk_norm=True, rotary_dim=2), dict(qk_norm=True, hf_family="glm"), dict(post_norm=True, rotary_dim=2)):
+        with pytest.raises(ValueError, match="partial or interleaved RoPE describe no family"):
+            coda.models.LlamaConfig(**shape, **layer)
+    with pytest.raises(ValueError, match="rotary_layers has 2 entries for 1 layers"):
+        coda.models.LlamaConfig(**shape, rotary_layers=(True, False))
     coda.models.LlamaConfig(**shape, residual_multiplier=0.5)  # Granite
     for layer in (dict(gemma=True, sandwich=True), dict(post_norm=True)):  # a norm on the output undoes the scale
         with pytest.raises(ValueError, match="residual_multiplier .* describes no family"):

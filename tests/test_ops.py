@@ -76,6 +76,41 @@ def test_rope_permutation_is_a_pair_adjacent_inverse() -> None:
     assert torch.equal(p, w[perm])  # the transposing copy is the documented permutation
 
 
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved", [(8, None, False), (8, 6, False), (16, 12, True),
+                                                         (8, 4, True), (8, 8, True)])
+def test_rope_row_order_rotates_pairs_as_transformers_does(head_dim: int, rotary_dim: int | None,
+                                                           interleaved: bool) -> None:
+    """coda's RoPE rotates adjacent rows (2i, 2i + 1) with inv_freq's frequencies (0 past rotary_dim):
+    on rows in rope_row_order's order it gives transformers' rotation of the first rotary_dim dims,
+    pairs (i, i + r/2) (Llama's, Phi-3's partial) or (2i, 2i + 1) (GLM's), the other dims passing."""
+    from coda.models.llama_block import inv_freq
+    from coda.ops.layout import reorder_head_rows, rope_row_order
+
+    x, r = torch.randn(3 * head_dim, dtype=torch.float64), rotary_dim or head_dim
+    angle = 7 * (100.0 ** (-torch.arange(0, r, 2, dtype=torch.float64) / r))  # position 7, base 100
+    heads = x.view(3, head_dim)
+    rot, rest = heads[:, :r], heads[:, r:]
+    if interleaved:
+        a, b = rot[:, 0::2], rot[:, 1::2]
+        turned = torch.stack([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1).flatten(1)
+    else:
+        a, b = rot[:, :r // 2], rot[:, r // 2:]
+        turned = torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+    expected = torch.cat([turned, rest], -1).reshape(-1)
+
+    order = rope_row_order(head_dim, rotary_dim, interleaved)
+    assert sorted(order.tolist()) == list(range(head_dim))
+    pairs = reorder_head_rows(x, order).view(3, head_dim // 2, 2)
+    theta = 7 * inv_freq(head_dim, 100.0, None, rotary_dim=rotary_dim).double()
+    assert torch.equal(theta[r // 2:], torch.zeros(head_dim // 2 - r // 2, dtype=torch.float64))
+    c, s = theta.cos(), theta.sin()
+    ours = torch.stack([pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 1] * c + pairs[..., 0] * s], -1)
+    back = reorder_head_rows(ours.reshape(-1), torch.argsort(order))
+    assert (back - expected).abs().max() < 1e-6  # inv_freq's fp32 frequencies
+    if rotary_dim is None and not interleaved:
+        assert torch.equal(order, coda.ops.rope_pair_permutation(1, head_dim))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qknorm_columns_and_weight_grads_follow_the_pair_permutation(dtype: torch.dtype) -> None:
     """The QK-norm epilogue's column operands (views and one concatenation) and the weight

@@ -50,16 +50,17 @@ def _any(_: Any) -> bool:
 LAYER_TYPES_NAMES = ("full_attention", "sliding_attention")
 
 
-def _rope_ok(rope: Any) -> bool:
-    """The RoPE coda's epilogues compute (llama_block.inv_freq): theta^(-2i/d) over the whole head,
-    plain or with transformers' "linear" or "llama3" frequency rule, and nothing else (no partial
-    rotary, no other type); one such per layer type where the config gives one per type (Gemma 3)."""
+def _rope_ok(rope: Any, partial: bool = False) -> bool:
+    """The RoPE coda's epilogues compute (llama_block.inv_freq): theta^(-2i/d), plain or with
+    transformers' "linear" or "llama3" frequency rule, and nothing else; one such per layer type where
+    the config gives one per type (Gemma 3). Over the whole head, or (`partial`: the families whose
+    attention reads it) over its first partial_rotary_factor of each head's dims."""
     if rope is None:
         return True
     if not isinstance(rope, Mapping):
         return False
     if rope and set(rope) <= set(LAYER_TYPES_NAMES):
-        return all(isinstance(r, Mapping) and _rope_ok(r) for r in rope.values())
+        return all(isinstance(r, Mapping) and _rope_ok(r, partial) for r in rope.values())
     kind = rope.get("rope_type", rope.get("type", "default"))
     keys = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if kind == "llama3":
@@ -68,7 +69,14 @@ def _rope_ok(rope: Any) -> bool:
         keys |= {"factor"}
     elif kind != "default":
         return False
-    return set(rope) <= keys and rope.get("partial_rotary_factor", 1) in (None, 1)
+    return set(rope) <= keys and _fraction_ok(rope.get("partial_rotary_factor"), partial)
+
+
+def _fraction_ok(value: Any, partial: bool) -> bool:
+    """A rotated fraction of each head: 1 (None) always; a fraction in (0, 1) where `partial`."""
+    if value in (None, 1):
+        return True
+    return partial and isinstance(value, (int, float)) and 0 < value < 1
 
 
 ANY = Rule(_any, "any value")
@@ -79,6 +87,12 @@ SHAPE = {name: ANY for name in ("vocab_size", "hidden_size", "intermediate_size"
 SILU = Rule(lambda v: v == "silu", "'silu' (SwiGLU)")
 NO_BIAS = Rule(lambda v: not v, "False")
 ROPE = Rule(_rope_ok, "rope_type 'default', 'linear' or 'llama3' over the whole head", frozenset({FROM_HF}))
+# The same over part of each head, for the families whose RoPE reads partial_rotary_factor (Phi-3's
+# halves, GLM's interleaved pairs): LlamaConfig.rotary_dim, and the row order of conversion (Family.rope_pairs).
+PARTIAL_ROPE = Rule(lambda v: _rope_ok(v, partial=True),
+                    "rope_type 'default', 'linear' or 'llama3', over the whole head or a fraction of it", frozenset({FROM_HF}))
+# transformers 5.17 keeps the fraction at the config's top level (5.2x moves it into rope_parameters).
+PARTIAL_FRACTION = Rule(lambda v: _fraction_ok(v, partial=True), "a fraction in (0, 1]", frozenset({FROM_HF}))
 # Dropout changes training math: coda's own model has none; coda.patch keeps HF's modules that apply it.
 NO_DROPOUT = Rule(lambda v: not v, "0 (no dropout)", frozenset({FROM_HF}))
 # Attention-only fields: coda.patch keeps HF's attention, so only coda's own model must handle them.
@@ -96,21 +110,63 @@ def _attention_only(rule: Rule) -> Rule:
 
 
 @dataclass(frozen=True)
+class Norms:
+    """A decoder layer's RMSNorms by transformers' module names, None where the layer has none: in
+    front of attention, on its output (before the residual add), in front of the MLP, on its output."""
+
+    attn_in: str | None = "input_layernorm"
+    attn_out: str | None = None
+    mlp_in: str | None = "post_attention_layernorm"
+    mlp_out: str | None = None
+
+
+LLAMA_NORMS = Norms()
+# Gemma 2/3: "sandwich" norms, on the attention and MLP outputs too, and the MLP's own norm in front of it.
+SANDWICH_NORMS = Norms(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
+                       mlp_out="post_feedforward_layernorm")
+# GLM-4: the same layout under its own names.
+GLM4_NORMS = Norms(attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm")
+# OLMo 2: norms only on the attention and MLP outputs.
+POST_NORMS = Norms(attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
+                   mlp_out="post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
 class Family:
-    """A transformers `model_type`, the entry points that support it, and its fields' rules."""
+    """A transformers `model_type`, the entry points that support it, its fields' rules, and what
+    its layer computes beyond Llama's (and under which names and layouts transformers holds it)."""
 
     model_type: str
     entries: frozenset[str]
     fields: Mapping[str, Rule]
-    qkv_bias: bool = False  # its q/k/v projections always carry biases (Qwen2), whatever the config says
+    # q/k/v projections with biases: True always (Qwen2, whatever the config says); a config field's
+    # name: where that field is set (GLM's attention_bias, which leaves o_proj without one).
+    qkv_bias: bool | str = False
     qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
     gemma_norms: bool = False  # every Gemma: (1 + w) norms, a GeGLU MLP, the embedding scaled by sqrt(hidden_size)
-    sandwich: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too, the MLP's own norm in front of it
-    post_norm: bool = False  # OLMo 2: norms only on the attention and MLP outputs; whole-width q/k norms
-    fused_projections: bool = False  # one qkv_proj and one gate_up_proj ([gate; up] rows) per layer (Phi-3)
+    norms: Norms = LLAMA_NORMS
+    fused_qkv: bool = False  # one qkv_proj per layer ([q; k; v] rows: Phi-3)
+    fused_gate_up: bool = False  # one gate_up_proj per layer ([gate; up] rows: Phi-3, GLM)
+    # Which dims of a head its RoPE rotates together: "halves" (i, i + r/2), or "interleaved" (2i, 2i + 1: GLM)
+    rope_pairs: str = "halves"
     # A condition across fields that coda's own model needs (a problem sentence, or None), for what
     # one field's rule cannot see; coda.patch runs the family's own attention whatever it says.
     consistent: Callable[[Any], str | None] | None = None
+
+    @property
+    def sandwich(self) -> bool:
+        """Norms on the attention and MLP outputs as well as in front of each (Gemma 2/3, GLM-4)."""
+        return self.norms.attn_out is not None and self.norms.attn_in is not None
+
+    @property
+    def post_norm(self) -> bool:
+        """Norms only on the attention and MLP outputs (OLMo 2), whole-width q/k norms."""
+        return self.norms.attn_in is None
+
+    def has_qkv_bias(self, config: Any) -> bool:
+        if isinstance(self.qkv_bias, str):
+            return bool(getattr(config, self.qkv_bias, False))
+        return self.qkv_bias
 
 
 _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
@@ -158,8 +214,8 @@ _GEMMA1 = {**SHAPE, **ATTENTION, "attention_bias": _attention_only(NO_BIAS),
 _PHI3 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY,
          "resid_pdrop": NO_DROPOUT, "embd_pdrop": NO_DROPOUT,
          # RoPE, inside HF's attention: longrope's switch length, the rotated fraction of each head.
-         "original_max_position_embeddings": ANY,
-         "partial_rotary_factor": _attention_only(Rule(lambda v: v in (None, 1), "1 (RoPE over the whole head)"))}
+         "rope_parameters": PARTIAL_ROPE, "rope_scaling": PARTIAL_ROPE,
+         "original_max_position_embeddings": ANY, "partial_rotary_factor": PARTIAL_FRACTION}
 # OLMo 2: norms on the attention and MLP outputs (no input norms), whole-width q/k norms (inside HF's
 # attention under coda.patch; row passes in coda's model: Family.post_norm).
 _OLMO2 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS)}
@@ -194,12 +250,11 @@ _GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
             "embedding_multiplier": _attention_only(FINITE), "residual_multiplier": _attention_only(FINITE),
             "logits_scaling": NONZERO}
 
-# GLM and GLM-4, through coda.patch only: Llama's layer names with Phi-3's fused gate_up_proj, GLM-4's
-# with norms on the attention and MLP outputs too (hf_patch._NORMS). Their RoPE rotates interleaved
-# pairs over part of each head, which coda's own model does not compute; coda.patch keeps HF's
-# attention and rotation, so the attention's fields are irrelevant to it.
+# GLM and GLM-4: Llama's layer names with Phi-3's fused gate_up_proj (GLM-4: with norms on the attention
+# and MLP outputs too, GLM4_NORMS), q/k/v biases where attention_bias says (o_proj has none), and a RoPE
+# that rotates interleaved pairs over part of each head (Family.rope_pairs; LlamaConfig.rotary_dim).
 _GLM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
-        "partial_rotary_factor": _attention_only(ANY)}  # (transformers 5.17: outside rope_parameters)
+        "rope_parameters": PARTIAL_ROPE, "rope_scaling": PARTIAL_ROPE, "partial_rotary_factor": PARTIAL_FRACTION}
 
 # EXAONE 4, through coda.patch only: OLMo 2's layer (norms on the attention and MLP outputs) with
 # per-head q/k norms, windowed layers and global layers without RoPE, all inside HF's attention, which
@@ -217,16 +272,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),
                            **_WINDOWS}, qk_norm=True),
     Family("gemma", BOTH, _GEMMA1, gemma_norms=True),  # Llama's layer with Gemma's norms and MLP
-    Family("gemma2", BOTH, _GEMMA, gemma_norms=True, sandwich=True),  # Gemma 3's layer without QK-norm
-    Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, sandwich=True, qk_norm=True),
-    Family("phi3", BOTH, _PHI3, fused_projections=True),
-    Family("olmo2", BOTH, _OLMO2, post_norm=True),
-    Family("olmo3", BOTH, _OLMO3, post_norm=True),
+    Family("gemma2", BOTH, _GEMMA, gemma_norms=True, norms=SANDWICH_NORMS),  # Gemma 3's layer without QK-norm
+    Family("gemma3_text", BOTH, _GEMMA, gemma_norms=True, norms=SANDWICH_NORMS, qk_norm=True),
+    Family("phi3", BOTH, _PHI3, fused_qkv=True, fused_gate_up=True),
+    Family("olmo2", BOTH, _OLMO2, norms=POST_NORMS),
+    Family("olmo3", BOTH, _OLMO3, norms=POST_NORMS),
     Family("smollm3", BOTH, _SMOLLM3, consistent=_smollm3_windows),
     Family("granite", BOTH, _GRANITE),
-    Family("glm", frozenset({PATCH}), _GLM),
-    Family("glm4", frozenset({PATCH}), _GLM),
-    Family("exaone4", frozenset({PATCH}), _EXAONE4),
+    Family("glm", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved"),
+    Family("glm4", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved",
+           norms=GLM4_NORMS),
+    Family("exaone4", frozenset({PATCH}), _EXAONE4, norms=POST_NORMS),
 )}
 
 

@@ -35,7 +35,7 @@ fields fit: families.py.
 
 Phi-3 is Llama's layout with fused projections: its MLP's gate and up weights are the row halves
 of gate_up_proj (`_gate_up`), its fused q/k/v projection stays HF's. GLM's MLP is Phi-3's, GLM-4's
-layer adds norms on the attention and MLP outputs (_NORMS); both keep HF's RoPE, which rotates
+layer adds norms on the attention and MLP outputs (families.Norms); both keep HF's RoPE, which rotates
 interleaved pairs (_rotates_halves). Families whose decoder layer
 is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 and 3 (norms on the attention and
 MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
@@ -228,16 +228,6 @@ _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
     "exaone4": _patch_olmo2_layer,  # OLMo 2's layer with per-head q/k norms (a row pass over each head as well)
 }
 
-# The loop's layers: the norm in front of the MLP (inside coda's fused MLP op) and the norms that run
-# alone. Llama's post-attention norm feeds the MLP. Gemma 2/3 (Family.sandwich) normalize the
-# attention and MLP outputs before their residual adds (norms that need a GEMM output's whole row),
-# and their pre-feedforward norm feeds the MLP; GLM-4 has such output norms under its own names.
-_LLAMA_NORMS = ("post_attention_layernorm", ("input_layernorm",))
-_GEMMA_SANDWICH = ("pre_feedforward_layernorm", ("input_layernorm", "post_attention_layernorm",
-                                                 "post_feedforward_layernorm"))
-_NORMS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "glm4": ("post_attention_layernorm", ("input_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")),
-}
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
@@ -302,7 +292,11 @@ def patch(model: nn.Module) -> nn.Module:
     layer_patch = _LAYER_PATCHES.get(model.config.model_type)
     family = families.FAMILIES[model.config.model_type]
     gemma = family.gemma_norms  # (1 + w) norms, the GeGLU MLP
-    mlp_norm, alone = _NORMS.get(model.config.model_type, _GEMMA_SANDWICH if family.sandwich else _LLAMA_NORMS)
+    # The loop's layers (families.Norms): the norm in front of the MLP runs inside coda's fused MLP op;
+    # the others alone (the input norm, and the norms on the attention and MLP outputs, which need a
+    # GEMM output's whole row before the residual add).
+    names = family.norms
+    mlp_norm, alone = names.mlp_in, [n for n in (names.attn_in, names.attn_out, names.mlp_out) if n is not None]
     mlp_op = rmsnorm_geglu_mlp if gemma else rmsnorm_swiglu_mlp
     swapped = []
     for i, layer in enumerate(model.model.layers):

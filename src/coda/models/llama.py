@@ -27,10 +27,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.cross_entropy import linear_cross_entropy
-from ..ops.layout import interleave_gate_up, permute_rope_rows, split_gate_up, unpermute_rope_rows
+from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, split_gate_up
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
-from .families import FAMILIES, FROM_HF, foreign_code, hf_attention, problems
+from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, supported
 from .llama_block import NativeBlockWeights, block_segment, inv_freq
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build_all, documents, padding
@@ -52,6 +52,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple[float, ...] | None = None  # inv_freq's: linear (factor,), Llama 3's (factor, low, high, old len)
+    # Partial rotary (Phi-3's, GLM's partial_rotary_factor): the first rotary_dim dims of each head
+    # rotate, the rest pass through (frequency 0); None: the whole head.
+    rotary_dim: int | None = None
     tie_word_embeddings: bool = False
     pad_token_id: int | None = None  # the embedding row that lookups never update (HF's padding_idx)
     sliding_window: int | None = None  # keys within this distance (the query included), on windowed layers
@@ -72,7 +75,10 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim's
     attn_softcap: float | None = None  # attention scores c * tanh(s / c) before the softmax (Gemma 2)
     final_softcap: float | None = None  # logits c * tanh(l / c) before the loss (Gemma 2)
-    fused_projections: bool = False  # HF holds one qkv_proj and one gate_up_proj per layer (Phi-3): names only
+    # The transformers family whose parameter names and layouts from_hf reads and to_hf_state_dict
+    # writes (families.Family: fused projections, norm names, RoPE pair order); None: Llama's, Gemma's,
+    # Gemma 2's (sandwich) or OLMo 2's (post_norm), as the flags say.
+    hf_family: str | None = None
     rotary_layers: tuple[bool, ...] | None = None  # per layer whether q and k rotate (SmolLM3's NoPE layers: not)
     # Granite's four numbers: the attention scale itself (None: from query_pre_attn_scalar or head_dim),
     # the embedding times embedding_multiplier (None: no scale, or Gemma's), each attention and MLP
@@ -94,13 +100,36 @@ class LlamaConfig:
         if self.residual_multiplier != 1.0 and (self.sandwich or self.post_norm):
             raise ValueError("LlamaConfig: residual_multiplier (Granite's) with sandwich or post_norm describes no "
                              "family coda computes (a norm on the output would undo the scaled weights)")
-        if self.sandwich and not self.gemma:
-            raise ValueError("LlamaConfig: sandwich (Gemma 2/3's layer) without gemma's norms and MLP describes no "
-                             "family coda computes")
+        layout = self.layout
+        if (layout.gemma_norms, layout.sandwich, layout.post_norm) != (self.gemma, self.sandwich, self.post_norm):
+            raise ValueError(f"LlamaConfig: the layer of gemma={self.gemma}, sandwich={self.sandwich}, post_norm="
+                             f"{self.post_norm} is not {layout.model_type}'s, whose names and layouts the conversions "
+                             f"would use (hf_family={self.hf_family!r}): it describes no family coda computes")
+        for name in ("layer_types", "rotary_layers"):
+            per_layer = getattr(self, name)
+            if per_layer is not None and len(per_layer) != self.num_hidden_layers:
+                raise ValueError(f"LlamaConfig: {name} has {len(per_layer)} entries for {self.num_hidden_layers} layers")
+        hd = self.dim_per_head
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= hd and self.rotary_dim % 2 == 0):
+            raise ValueError(f"LlamaConfig: rotary_dim={self.rotary_dim} must be even, in (0, head_dim={hd}]")
+        if (self.qk_norm or self.post_norm) and (self.rotary_dim not in (None, hd) or layout.rope_pairs != "halves"):
+            raise ValueError("LlamaConfig: q/k norms (qk_norm, post_norm) with a partial or interleaved RoPE describe "
+                             "no family coda computes (their weights are read in a whole-head halves order)")
 
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def layout(self) -> Family:
+        """The family whose names and layouts the conversions use (hf_family)."""
+        if self.hf_family is not None:
+            family = FAMILIES.get(self.hf_family)
+            if family is None or FROM_HF not in family.entries:
+                raise ValueError(f"LlamaConfig: hf_family={self.hf_family!r} is not one from_hf supports "
+                                 f"({', '.join(supported(FROM_HF))})")
+            return family
+        return FAMILIES["olmo2" if self.post_norm else "gemma2" if self.sandwich else "gemma" if self.gemma else "llama"]
 
     @property
     def activation(self) -> str:
@@ -187,10 +216,10 @@ class LlamaConfig:
                    pad_token_id=getattr(config, "pad_token_id", None),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, gemma=family.gemma_norms,
+                   rotary_dim=_rotary_dim(config, rope),
+                   qkv_bias=family.has_qkv_bias(config), qk_norm=family.qk_norm, gemma=family.gemma_norms,
                    sandwich=family.sandwich, post_norm=family.post_norm,
-                   local_rope=local,
-                   fused_projections=family.fused_projections,
+                   local_rope=local, hf_family=config.model_type,
                    query_pre_attn_scalar=_number(config, "query_pre_attn_scalar"),
                    attn_softcap=_number(config, "attn_logit_softcapping"),
                    final_softcap=_number(config, "final_logit_softcapping"),
@@ -212,6 +241,16 @@ def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] 
     if kind == "linear":
         return theta, (float(params["factor"]),)
     return theta, None
+
+
+def _rotary_dim(config, rope: dict) -> int | None:
+    """The dims of each head that rotate: transformers' int(head_dim * partial_rotary_factor), the
+    fraction in the RoPE dict (transformers 5.2x) or at the config's top level (5.17); None: all."""
+    fraction = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if fraction is None or fraction == 1:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * fraction)
 
 
 def _rotary_layers(config) -> tuple[bool, ...] | None:
@@ -315,7 +354,7 @@ class LlamaLayer(nn.Module):
                                g_attn=g_attn, w_qkv=self.next_w_qkv,
                                n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
                                rope_base=theta, rope_scaling=None if scaling is None else list(scaling),
-                               activation=c.activation,
+                               rotary_dim=c.rotary_dim, activation=c.activation,
                                b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv],
                                qk_norm=[] if g_q is None else [g_q, g_k])
         return block_segment(attn, x, pos, w)
@@ -334,7 +373,18 @@ def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, 
                                  c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
     return first_segment(x, pos, g_attn, w_qkv, n_heads=c.num_attention_heads,
                          n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps, rope_base=theta, rope_scaling=scaling,
-                         b_qkv=b_qkv, qk_norm=None if g_q is None else (g_q, g_k))
+                         rotary_dim=c.rotary_dim, b_qkv=b_qkv, qk_norm=None if g_q is None else (g_q, g_k))
+
+
+# The order in which transformers' layers register their norms (state_dict order), by name.
+_HF_ORDER = ("post_attention_layernorm", "post_self_attn_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm", "post_mlp_layernorm")
+
+
+def _rope_order(c: LlamaConfig) -> torch.Tensor:
+    """For each row of a q or k head in coda's order (each RoPE pair in adjacent rows), the row of
+    transformers' order it holds (layout.rope_row_order for the family's pairs and rotary_dim)."""
+    return rope_row_order(c.dim_per_head, c.rotary_dim, interleaved=c.layout.rope_pairs == "interleaved")
 
 
 def _qkv_rows(c: LlamaConfig) -> int:
@@ -439,16 +489,11 @@ class LlamaForCausalLM(nn.Module):
         return model
 
     def _layer_norms(self, i: int) -> dict[str, nn.Parameter]:
-        """HF layer i's norms after attention by HF name, in HF's order: Llama's norm in front of the
-        MLP is its post-attention norm (Gemma 1's too); Gemma 2/3's and OLMo 2's post-attention norm is
-        on the attention output."""
-        layer = self.layers[i]
-        if self.config.post_norm:
-            return {"post_attention_layernorm": layer.post_attn_norm, "post_feedforward_layernorm": layer.post_ffn_norm}
-        if not self.config.sandwich:
-            return {"post_attention_layernorm": layer.ffn_norm}
-        return {"post_attention_layernorm": layer.post_attn_norm, "pre_feedforward_layernorm": layer.ffn_norm,
-                "post_feedforward_layernorm": layer.post_ffn_norm}
+        """HF layer i's norms after its input norm by HF name, in HF's order (the family's names:
+        families.Norms). Llama's norm in front of the MLP is its post-attention norm."""
+        layer, names = self.layers[i], self.config.layout.norms
+        found = {names.attn_out: layer.post_attn_norm, names.mlp_in: layer.ffn_norm, names.mlp_out: layer.post_ffn_norm}
+        return {name: found[name] for name in _HF_ORDER if name in found}
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy HF-named, HF-layout weights into this model's parameters (unsharded parameters:
@@ -456,7 +501,8 @@ class LlamaForCausalLM(nn.Module):
         over (a bias, an extra norm: something this model would not compute)."""
         c, hd = self.config, self.config.dim_per_head
         nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
-        fused = c.fused_projections
+        layout = c.layout
+        order = _rope_order(c)
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
@@ -466,16 +512,12 @@ class LlamaForCausalLM(nn.Module):
             return sd[name]
 
         def qkv_rows(p: str, what: str) -> list[torch.Tensor]:
-            """q, k, v rows of the projection (`what`: weight or bias), q and k pair-permuted."""
-            if fused:
+            """q, k, v rows of the projection (`what`: weight or bias), q and k in coda's RoPE order."""
+            if layout.fused_qkv:
                 q, k, v = take(p + f"self_attn.qkv_proj.{what}").split([nq, nk, nk])
             else:
                 q, k, v = (take(p + f"self_attn.{x}_proj.{what}") for x in "qkv")
-            if what == "bias":
-                q, k, v = q[:, None], k[:, None], v[:, None]
-            rows = torch.cat([permute_rope_rows(q, c.num_attention_heads, hd),
-                              permute_rope_rows(k, c.num_key_value_heads, hd), v])
-            return rows if what == "weight" else rows[:, 0]
+            return torch.cat([reorder_head_rows(q, order), reorder_head_rows(k, order), v])
 
         with torch.no_grad():
             self.embed_tokens.copy_(take("model.embed_tokens.weight"))
@@ -498,7 +540,7 @@ class LlamaForCausalLM(nn.Module):
                 for name, norm in self._layer_norms(i).items():
                     norm.copy_(take(f"{p}{name}.weight"))
                 layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
-                gate, up = take(p + "mlp.gate_up_proj.weight").chunk(2) if fused else \
+                gate, up = take(p + "mlp.gate_up_proj.weight").chunk(2) if layout.fused_gate_up else \
                     (take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
                 layer.w_gate_up.copy_(interleave_gate_up(gate, up))
                 layer.w_down.copy_(take(p + "mlp.down_proj.weight"))
@@ -514,12 +556,12 @@ class LlamaForCausalLM(nn.Module):
         Under FSDP2 the shards are gathered whole (a collective: call it on every rank)."""
         c, hd = self.config, self.config.dim_per_head
         nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
-        fused = c.fused_projections
+        layout = c.layout
+        back = torch.argsort(_rope_order(c))
 
         def split_qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            """Rows of the fused [P q; P k; v] layout as HF's q, k, v (rows unpermuted)."""
-            return (unpermute_rope_rows(t[:nq], c.num_attention_heads, hd),
-                    unpermute_rope_rows(t[nq:nq + nk], c.num_key_value_heads, hd), t[nq + nk:])
+            """Rows of the fused [P q; P k; v] layout as HF's q, k, v (rows in HF's order)."""
+            return reorder_head_rows(t[:nq], back), reorder_head_rows(t[nq:nq + nk], back), t[nq + nk:]
 
         def get(p: torch.Tensor) -> torch.Tensor:
             if not grads:
@@ -531,12 +573,11 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn_norm, w_qkv, b_qkv, q_norm, k_norm = (None if t is None else get(t) for t in self._attn_params(i))
             gate, up = split_gate_up(get(layer.w_gate_up))
-            if fused:  # Phi-3's order: o_proj, then the fused projections
+            if layout.fused_qkv:  # Phi-3's order: o_proj, then the fused projection
                 sd[p + "self_attn.o_proj.weight"] = get(layer.wo)
                 sd[p + "self_attn.qkv_proj.weight"] = torch.cat(split_qkv(w_qkv))
-                sd[p + "mlp.gate_up_proj.weight"] = torch.cat([gate, up])
             else:
-                biases = [None] * 3 if b_qkv is None else [b[:, 0] for b in split_qkv(b_qkv[:, None])]
+                biases = [None] * 3 if b_qkv is None else split_qkv(b_qkv)
                 for proj, w, b in zip("qkv", split_qkv(w_qkv), biases):  # HF's order: a weight, then its bias
                     sd[f"{p}self_attn.{proj}_proj.weight"] = w
                     if b is not None:
@@ -544,6 +585,9 @@ class LlamaForCausalLM(nn.Module):
                 sd[p + "self_attn.o_proj.weight"] = get(layer.wo)
                 if q_norm is not None:
                     sd.update({p + "self_attn.q_norm.weight": q_norm, p + "self_attn.k_norm.weight": k_norm})
+            if layout.fused_gate_up:
+                sd[p + "mlp.gate_up_proj.weight"] = torch.cat([gate, up])
+            else:
                 sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
             sd[p + "mlp.down_proj.weight"] = get(layer.w_down)
             if attn_norm is not None:

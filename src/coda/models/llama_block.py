@@ -92,6 +92,7 @@ class NativeBlockWeights:
     eps: float = 1e-6
     rope_base: float = 10000.0
     rope_scaling: list[float] | None = None  # as in BlockWeights
+    rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of each head rotate (inv_freq)
     activation: str = "silu"  # as in BlockWeights
     # The q/k/v biases (Qwen2), [(H + 2 KV) hd] permuted like w_qkv's rows: one tensor, or none.
     b_qkv: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -141,8 +142,9 @@ class NativeBlockWeights:
     def to_standard(self) -> BlockWeights:
         """The inverse layouts (also turns gradients of native weights into standard ones).
         BlockWeights has no biases or QK-norm: weights with either are refused rather than dropped."""
-        if self.b_qkv or self.qk_norm:
-            raise ValueError("NativeBlockWeights.to_standard: BlockWeights has no q/k/v biases or QK-norm weights")
+        if self.b_qkv or self.qk_norm or self.rotary_dim not in (None, self.head_dim):
+            raise ValueError("NativeBlockWeights.to_standard: BlockWeights has no q/k/v biases, QK-norm weights or "
+                             "partial rotary")
         hd, nq, nk = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         w_gate, w_up = split_gate_up(self.w_gate_up)
         return BlockWeights(self.wo, self.g_ffn, w_gate.contiguous(), w_up.contiguous(), self.w_down, self.g_attn,
@@ -154,12 +156,18 @@ class NativeBlockWeights:
 
 
 def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...] | None = None,
-             device: torch.device | str | None = None) -> torch.Tensor:
-    """RoPE's per-pair frequencies base^(-2i/head_dim), scaled as transformers' rope types say:
-    `scaling` [factor] is "linear" (every frequency divided by factor: Gemma 3's global layers);
-    [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings] is "llama3"
-    (long wavelengths slowed by factor, short ones kept, a smooth blend between)."""
-    inv = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+             device: torch.device | str | None = None, rotary_dim: int | None = None) -> torch.Tensor:
+    """RoPE's per-pair frequencies base^(-2i/r) over the first r = rotary_dim dims of a head (None: all
+    of them), scaled as transformers' rope types say: `scaling` [factor] is "linear" (every frequency
+    divided by factor: Gemma 3's global layers); [factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings] is "llama3" (long wavelengths slowed by factor, short ones kept,
+    a smooth blend between). The pairs past r (partial rotary) get 0: cos 1, sin 0, not rotated."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    inv = _scaled(base ** (-torch.arange(0, r, 2, device=device, dtype=torch.float32) / r), scaling)
+    return inv if r == head_dim else torch.cat([inv, inv.new_zeros((head_dim - r) // 2)])
+
+
+def _scaled(inv: torch.Tensor, scaling: list[float] | tuple[float, ...] | None) -> torch.Tensor:
     if scaling is None:
         return inv
     if len(scaling) == 1:
@@ -176,22 +184,23 @@ def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...
 
 def _rope_freq(w: NativeBlockWeights) -> torch.Tensor:
     """Per column pair of the fused qkv output: the pair's frequency, 0 for v."""
-    return rope_freq_table(w.head_dim, w.n_heads, w.n_kv_heads, w.rope_base, w.rope_scaling, w.w_qkv.device)
+    return rope_freq_table(w.head_dim, w.n_heads, w.n_kv_heads, w.rope_base, w.rope_scaling, w.w_qkv.device,
+                           w.rotary_dim)
 
 
 def rope_freq_table(head_dim: int, n_heads: int, n_kv_heads: int, base: float, scaling: list[float] | None,
-                    device: torch.device) -> torch.Tensor:
-    """The rms_rope epilogue's freq operand for a fused [q; k; v] projection."""
+                    device: torch.device, rotary_dim: int | None = None) -> torch.Tensor:
+    """The rms_rope epilogue's freq operand for a fused [q; k; v] projection (inv_freq's per head)."""
     return _freq_table(head_dim, n_heads + n_kv_heads, n_kv_heads * head_dim // 2, base,
-                       None if scaling is None else tuple(scaling), device)
+                       None if scaling is None else tuple(scaling), device, rotary_dim)
 
 
 @functools.lru_cache(maxsize=64)
 def _freq_table(head_dim: int, rotated_heads: int, v_pairs: int, base: float, scaling: tuple[float, ...] | None,
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, rotary_dim: int | None) -> torch.Tensor:
     # Built once per configuration: the table is a constant, and building it is a handful of
     # small launches per forward and backward (the block's host time bounds it at D=2048).
-    inv = inv_freq(head_dim, base, scaling, device)
+    inv = inv_freq(head_dim, base, scaling, device, rotary_dim)
     return torch.cat([inv.repeat(rotated_heads), inv.new_zeros(v_pairs)])
 
 

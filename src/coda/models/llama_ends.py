@@ -25,36 +25,40 @@ from .llama_block import ffn_attn_backward, ffn_attn_forward, rope_freq_table
 from .qkv_projection import qkv_backward, qkv_forward, saved_for_backward
 
 
-def _freq(w_qkv: torch.Tensor, n_heads: int, n_kv_heads: int, rope_base: float, rope_scaling) -> torch.Tensor:
+def _freq(w_qkv: torch.Tensor, n_heads: int, n_kv_heads: int, rope_base: float, rope_scaling,
+          rotary_dim: Optional[int]) -> torch.Tensor:
     head_dim = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
-    return rope_freq_table(head_dim, n_heads, n_kv_heads, rope_base, rope_scaling, w_qkv.device)
+    return rope_freq_table(head_dim, n_heads, n_kv_heads, rope_base, rope_scaling, w_qkv.device, rotary_dim)
 
 
 # -- first: x -> qkv = rope(rms_norm(x, g) @ w_qkv.T) -------------------------------------------
 
 def _first_fwd(x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor, w_qkv: torch.Tensor, b_qkv: list[torch.Tensor],
                qk_norm: list[torch.Tensor], n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
-               rope_scaling: Optional[list[float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               rope_scaling: Optional[list[float]],
+               rotary_dim: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, rstd = rms_prep(x, g_attn, eps)  # h = F.rms_norm(x, g): rstd is applied already
-    freq = _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling)
+    freq = _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling, rotary_dim)
     return qkv_forward(h, None, pos, freq, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps), rstd, h
 
 
-def _first_fake(x, pos, g_attn, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps, rope_base, rope_scaling):
+def _first_fake(x, pos, g_attn, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps, rope_base, rope_scaling,
+                rotary_dim):
     return x.new_empty(x.shape[0], w_qkv.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32), torch.empty_like(x)
 
 
-def _first_save(x, pos, g_attn, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps, rope_base, rope_scaling, *, out):
+def _first_save(x, pos, g_attn, w_qkv, b_qkv, qk_norm, n_heads, n_kv_heads, eps, rope_base, rope_scaling,
+                rotary_dim, *, out):
     qkv, rstd, h = out
     return (x, pos, g_attn, w_qkv, b_qkv, qk_norm, rstd, saved_for_backward(h, qkv, qk_norm), n_heads, n_kv_heads,
-            eps, rope_base, rope_scaling)
+            eps, rope_base, rope_scaling, rotary_dim)
 
 
 def _first_bwd(d_qkv: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor, w_qkv: torch.Tensor,
                b_qkv: list[torch.Tensor], qk_norm: list[torch.Tensor], rstd: torch.Tensor, qkv_saved: torch.Tensor,
                n_heads: int, n_kv_heads: int, eps: float, rope_base: float,
-               rope_scaling: Optional[list[float]]) -> list[torch.Tensor]:
-    freq = _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling)
+               rope_scaling: Optional[list[float]], rotary_dim: Optional[int]) -> list[torch.Tensor]:
+    freq = _freq(w_qkv, n_heads, n_kv_heads, rope_base, rope_scaling, rotary_dim)
     dz, zdz, d_attn_params = qkv_backward(d_qkv, qkv_saved, None, pos, freq, w_qkv, b_qkv, qk_norm, n_heads,
                                           n_kv_heads, eps)
     n = gemm(dz, w_qkv, E.rmsnorm_backward, x=x, norm_weight=g_attn, rstd=rstd, zdz_over_d=zdz / x.shape[-1])
@@ -62,7 +66,7 @@ def _first_bwd(d_qkv: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, g_attn: 
 
 
 def _first_bwd_fake(d_qkv, x, pos, g_attn, w_qkv, b_qkv, qk_norm, rstd, qkv_saved, n_heads, n_kv_heads, eps,
-                    rope_base, rope_scaling):
+                    rope_base, rope_scaling, rotary_dim):
     return [torch.empty_like(t) for t in (x, g_attn, w_qkv, *b_qkv, *qk_norm)]
 
 
@@ -72,15 +76,17 @@ _first = fused_op("coda::first_segment", forward=_first_fwd, fake=_first_fake, s
 
 def first_segment(x: torch.Tensor, pos: torch.Tensor, g_attn: torch.Tensor, w_qkv: torch.Tensor, *, n_heads: int,
                   n_kv_heads: int, eps: float, rope_base: float, rope_scaling: list[float] | None = None,
-                  b_qkv: torch.Tensor | None = None,
+                  rotary_dim: int | None = None, b_qkv: torch.Tensor | None = None,
                   qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """qkv = rope(rms_norm(x, g_attn) @ w_qkv.T + b_qkv) for the fused, pair-permuted w_qkv (and
     b_qkv, permuted alike) of NativeBlockWeights; with qk_norm (the q and k norm weights, [head_dim]
     each in HF order) each q and k head is RMS-normalized (eps) before RoPE. x: [M, D], pos: [M]
-    integer positions. Differentiable in x, g_attn, w_qkv, b_qkv, qk_norm."""
+    integer positions; `rotary_dim`: partial rotary (llama_block.inv_freq). Differentiable in x, g_attn,
+    w_qkv, b_qkv, qk_norm."""
     return _first(x, pos, g_attn, w_qkv, [] if b_qkv is None else [b_qkv], [] if qk_norm is None else list(qk_norm),
                   n_heads, n_kv_heads, float(eps), float(rope_base),
-                  None if rope_scaling is None else [float(v) for v in rope_scaling])
+                  None if rope_scaling is None else [float(v) for v in rope_scaling],
+                  None if rotary_dim is None else int(rotary_dim))
 
 
 # -- last: (attn_out, x0) -> rms_norm(x2, g_final) ----------------------------------------------

@@ -37,9 +37,32 @@ def rope_pair_permutation(n_heads: int, head_dim: int, device: torch.device | st
     adjacent rows: new row 2i (+ head offset) is old row i, new row 2i+1 is old row i + head_dim/2."""
     if head_dim % 2:
         raise ValueError(f"rope_pair_permutation: head_dim must be even, got {head_dim}")
-    half = torch.arange(head_dim // 2, device=device)
-    per_head = torch.stack([half, half + head_dim // 2], dim=1).reshape(head_dim)
+    per_head = rope_row_order(head_dim, device=device)
     return (torch.arange(n_heads, device=device)[:, None] * head_dim + per_head).reshape(-1)
+
+
+def rope_row_order(head_dim: int, rotary_dim: int | None = None, interleaved: bool = False,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """For each row of one head in coda's order, the row of the given order it holds. coda's RoPE
+    rotates adjacent rows (2i, 2i + 1); the first `rotary_dim` rows (None: all) of the given order
+    rotate as pairs (i, i + rotary_dim/2) (halves, Llama's), or (2i, 2i + 1) (`interleaved`, GLM's:
+    already adjacent); the rows past rotary_dim (partial rotary) keep their places."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    if r % 2 or not 0 < r <= head_dim:
+        raise ValueError(f"rope_row_order: rotary_dim must be even, in (0, head_dim={head_dim}], got {r}")
+    half = torch.arange(r // 2, device=device)
+    pairs = torch.arange(r, device=device) if interleaved else torch.stack([half, half + r // 2], dim=1).reshape(r)
+    return torch.cat([pairs, torch.arange(r, head_dim, device=device)])
+
+
+def reorder_head_rows(w: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The rows (or entries of a bias) of every head of w [n_heads * head_dim, ...] in `order`
+    (rope_row_order's, or its inverse: torch.argsort(order)), as a new tensor."""
+    head_dim = order.numel()
+    if w.shape[0] % head_dim:
+        raise ValueError(f"reorder_head_rows: {w.shape[0]} rows are not whole heads of {head_dim}")
+    heads = w.reshape(w.shape[0] // head_dim, head_dim, -1)
+    return heads[:, order.to(w.device)].reshape(w.shape)
 
 
 def permute_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:

@@ -128,6 +128,13 @@ MODELS = {
         attention_bias=True, pad_token_id=151329,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
         tiny=dict(_TINY, pad_token_id=0)),
+    # coda.patch only (HF's router and experts kept: 128, top 8); 30B: time it with --layers (e.g. 4)
+    "qwen3-30b-a3b": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        tiny=dict(_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
 }
 
 

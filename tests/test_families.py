@@ -126,6 +126,16 @@ PATCH_CASES = {
     # logits_scaling (with labels and without)
     "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4,
                     logits_scaling=3.0),
+    # Sparse MoE layers (HF's router and experts kept, top-2 of 4), the router's load-balancing loss
+    # added to the loss (output_router_logits); Mixtral's window shorter than the sequence
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
+                    sliding_window=4),
+    # layer 0 sparse (with its gated shared expert), layer 1 dense (coda's fused norm + MLP); q/k/v biases
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, mlp_only_layers=[1], output_router_logits=True),
+    # QK-norm; layer 0 dense, layer 1 sparse, top-k weights renormalized
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
+                      norm_topk_prob=True, output_router_logits=True),
 }
 
 
@@ -150,7 +160,9 @@ def default_config(model_type: str) -> object:
 def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
     torch.manual_seed(0)
     config = CONFIGS[model_type](**SHAPE, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
+    # MoE experts as HF's loop over experts: its default grouped GEMM takes no fp64 (the reference run)
+    experts = dict(experts_implementation="eager") if hasattr(config, "num_experts_per_tok") else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config), **experts)
     model = model.to(device=DEVICE, dtype=torch.float32)
     with torch.no_grad():  # HF starts norms at ones and biases at zeros: make them matter
         for name, p in model.named_parameters():
@@ -297,7 +309,7 @@ def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: 
         coda.patch(Shell(CONFIGS[model_type](**SHAPE, **kw)))
 
 
-@pytest.mark.parametrize("model_type", ["starcoder2", "cohere", "mixtral"])
+@pytest.mark.parametrize("model_type", ["starcoder2", "cohere", "deepseek_v3"])
 def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
     config = default_config(model_type)
     for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):
@@ -479,6 +491,37 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
         assert ours == name.endswith(swapped), f"{name}: {'coda' if ours else 'HF'} forward"
     prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **args), hf.generate(prompt, **args))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_patch_keeps_hf_moe_blocks_and_their_loss(model_type: str) -> None:
+    """In a sparse layer coda.patch runs both norms alone and leaves the router and experts HF's (a dense
+    layer's MLP is coda's); the output carries HF's load-balancing loss and router logits, the loss
+    includes router_aux_loss_coef times it, and greedy .generate() gives HF's tokens."""
+    hf = hf_model(model_type, **PATCH_CASES[model_type])
+    model = coda.patch(copy.deepcopy(hf))
+    for layer in model.model.layers:
+        sparse = not hasattr(layer.mlp, "down_proj")
+        assert ("forward" in vars(layer.mlp)) != sparse
+        assert all("forward" not in vars(m) for m in layer.mlp.modules()) or not sparse
+        assert "forward" in vars(layer.post_attention_layernorm)
+    assert any(not hasattr(layer.mlp, "down_proj") for layer in model.model.layers)
+    ids, labels = batch()
+    with torch.no_grad():
+        ours, theirs = model(input_ids=ids, labels=labels), hf(input_ids=ids, labels=labels)
+        plain = hf(input_ids=ids, labels=labels, output_router_logits=False)
+    assert theirs.aux_loss is not None and plain.aux_loss is None
+    assert abs(ours.aux_loss.item() - theirs.aux_loss.item()) < 1e-6 * abs(theirs.aux_loss.item())
+    assert abs((theirs.loss - plain.loss).item() - hf.config.router_aux_loss_coef * theirs.aux_loss.item()) < 1e-5
+    assert abs(ours.loss.item() - theirs.loss.item()) < 1e-5 * abs(theirs.loss.item())
+    assert len(ours.router_logits) == len(theirs.router_logits)
+    assert model(input_ids=ids, labels=labels, output_router_logits=False).aux_loss is None
+    # (without the router's loss: transformers 5.17's own generate() fails on it under a cache and a mask)
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    args = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                output_router_logits=False)
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, **args), hf.generate(prompt, **args))
 

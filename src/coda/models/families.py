@@ -149,6 +149,10 @@ class Family:
     fused_gate_up: bool = False  # one gate_up_proj per layer ([gate; up] rows: Phi-3, GLM)
     # Which dims of a head its RoPE rotates together: "halves" (i, i + r/2), or "interleaved" (2i, 2i + 1: GLM)
     rope_pairs: str = "halves"
+    # Sparse MoE layers (a router over experts where the config says; dense MLPs elsewhere): coda.patch
+    # keeps HF's MoE block, runs the norm in front of it alone, and adds the router's load-balancing
+    # loss in the causal LM's forward as HF's does.
+    moe: bool = False
     # A condition across fields that coda's own model needs (a problem sentence, or None), for what
     # one field's rule cannot see; coda.patch runs the family's own attention whatever it says.
     consistent: Callable[[Any], str | None] | None = None
@@ -262,6 +266,17 @@ _GLM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_o
 _EXAONE4 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY, "sliding_window_pattern": DERIVED,
             "layer_types": _attention_only(LAYER_TYPES)}
 
+# Sparse MoE families, through coda.patch only: Llama's layer (Qwen3-MoE's with QK-norm) whose MLP is,
+# where the config says, a router over experts (Qwen2-MoE's with a gated shared expert), all HF's. Which
+# layers route (decoder_sparse_step, mlp_only_layers) patch reads from the modules; the router's loss
+# (output_router_logits, router_aux_loss_coef) its causal LM forward computes as HF's; the rest is
+# inside HF's MoE block and attention.
+_MOE = {name: ANY for name in ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                               "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                               "num_local_experts", "router_jitter_noise", "output_router_logits",
+                               "router_aux_loss_coef")}
+_MOE_ATTENTION = {"attention_bias": _attention_only(ANY), "qkv_bias": _attention_only(ANY), **_WINDOWS}
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, _MISTRAL),
@@ -283,6 +298,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm4", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved",
            norms=GLM4_NORMS),
     Family("exaone4", frozenset({PATCH}), _EXAONE4, norms=POST_NORMS),
+    Family("mixtral", frozenset({PATCH}), {**_MISTRAL, **_MOE}, moe=True),
+    Family("qwen2_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE}, moe=True),
+    Family("qwen3_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE},
+           qk_norm=True, moe=True),
 )}
 
 

@@ -1,5 +1,6 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Qwen2, Qwen3, Gemma 1,
-2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4, EXAONE 4) through coda's ops.
+2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE)
+through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -39,12 +40,15 @@ layer adds norms on the attention and MLP outputs (families.Norms); both keep HF
 interleaved pairs (_rotates_halves). Families whose decoder layer
 is not Llama's have their own layer patch (_LAYER_PATCHES): OLMo 2 and 3 (norms on the attention and
 MLP outputs, no norm in front of the MLP: `coda.ops.swiglu_mlp`, both norms `coda.ops.rmsnorm`).
+A sparse MoE layer (Family.moe) keeps HF's router and experts, so its norm in front of them runs
+alone; the causal LM's forward adds the routers' load-balancing loss with HF's own function.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import types
 from collections.abc import Callable
 
@@ -232,8 +236,12 @@ _LAYER_PATCHES: dict[str, Callable[[int, nn.Module], list[str]]] = {
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                        logits_to_keep=0, **kwargs):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    moe = families.FAMILIES[self.config.model_type].moe
+    if moe:  # HF's MoE causal LMs: the routers' logits recorded where asked (or the config says)
+        router = kwargs.pop("output_router_logits", None)
+        kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
     return_dict = kwargs.pop("return_dict", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma: c * tanh(logits / c)
@@ -261,6 +269,15 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         else:
             loss = linear_cross_entropy(hidden, self.lm_head.weight, target, reduction="sum", softcap=cap) / num_items
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    if moe:
+        aux = None
+        if kwargs["output_router_logits"]:  # HF's load-balancing loss (its own function, from the model's module)
+            balance = sys.modules[type(self).__module__].load_balancing_loss_func
+            aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+            if loss is not None:
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, **rest)
+        return out if return_dict is not False else out.to_tuple()
     out = CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
     return out if return_dict is not False else out.to_tuple()
 
@@ -312,6 +329,11 @@ def patch(model: nn.Module) -> nn.Module:
         if family.qk_norm:
             swapped += _patch_qk_norms(i, layer, gemma)
         norm, mlp = getattr(layer, mlp_norm), layer.mlp
+        if not hasattr(mlp, "down_proj"):  # a sparse MoE block (its router and experts stay HF's): the norm alone
+            norm._coda_unit_offset = gemma
+            norm.forward = types.MethodType(_norm, norm)
+            swapped += [f"model.layers.{i}.{mlp_norm} -> coda.ops.rmsnorm"]
+            continue
         norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_passthrough, norm)
         object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay

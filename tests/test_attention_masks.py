@@ -23,7 +23,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
 # capped scores under HF's eager attention (gemma2), Phi-3's fused projections and a window on every
 # layer, OLMo 2's whole-width q/k norms (OLMo 3's with a window), Ministral's window on layer 1,
 # SmolLM3's windowed layer without RoPE, Granite's attention scale, GLM-4's q/k/v biases and interleaved
-# RoPE over half of each head; pad_token_id 0 (Gemma's default;
+# RoPE over half of each head, EXAONE 4's per-head q/k norms without input norms and its global layer
+# without RoPE; pad_token_id 0 (Gemma's default;
 # HF's default pad id is past VOCAB for Phi-3, OLMo 2, SmolLM3 and GLM-4).
 FAMILIES = {
     "llama": dict(pad_token_id=0),
@@ -41,6 +42,7 @@ FAMILIES = {
     "smollm3": dict(no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=6, pad_token_id=0),
     "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0),
     "glm4": dict(head_dim=8, pad_token_id=0),
+    "exaone4": dict(head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
 }
 
 

@@ -80,6 +80,10 @@ FROM_HF_CASES = {
     # 12 of each head's 16 dims, linearly scaled
     "glm4": dict(head_dim=16, pad_token_id=0, attention_bias=False,
                  rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.75}),
+    # OLMo 2's layer with per-head q/k norms (Qwen3's epilogue without an input norm); layer 0 windowed,
+    # layer 1 global without RoPE; weights of std 0.2 as OLMo 2's (PATCH_CASES says why)
+    "exaone4": dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    initializer_range=0.2),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -341,7 +345,7 @@ def test_real_models_that_do_not_fit_are_refused() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3",
-                                        "granite", "glm", "glm4"])
+                                        "granite", "glm", "glm4", "exaone4"])
 def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """Qwen2's q/k/v biases, Gemma's (1 + w) and sandwich norms, GeGLU, capped scores and logits, Phi-3's
     layout, OLMo 2's post-norms and whole-width q/k norms, Granite's multipliers (folded into weights) in bf16: against HF in fp32 on the same (bf16-rounded) weights, coda's bf16 loss and
@@ -360,7 +364,7 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3", "smollm3",
-                                        "granite", "glm", "glm4"])
+                                        "granite", "glm", "glm4", "exaone4"])
 def test_from_hf_logits_match_hf(model_type: str) -> None:
     """Without labels the model returns HF's logits (Gemma 2's capped, Granite's scaled)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -382,10 +386,10 @@ def test_from_hf_warns_where_transformers_runs_gemma2_uncapped() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "olmo2", "granite"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "olmo2", "granite", "exaone4"])
 def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: str) -> None:
     """Gemma 1's gains formed outside the fused segments, the row passes of Gemma 2/3's sandwich norms
-    and OLMo 2's post-norms and q/k norms, the capped attention, and Granite's scaled weights, trace whole (fullgraph) and
+    and OLMo 2's post-norms and q/k norms (EXAONE 4's per-head op), the capped attention, and Granite's scaled weights, trace whole (fullgraph) and
     recompute under activation checkpointing: the eager loss and gradients."""
     torch._dynamo.reset()
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -402,8 +406,8 @@ def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: 
 
 
 def test_config_refuses_layouts_no_family_has() -> None:
-    """OLMo 2's post-norm layer has no input norms and whole-width q/k norms: with Gemma's norms or
-    sandwich layer, per-head QK-norm or q/k/v biases the config would describe a model no family is;
+    """OLMo 2's post-norm layer has no input norms (EXAONE 4's has per-head q/k norms): with Gemma's
+    norms or sandwich layer or q/k/v biases the config would describe a model no family is;
     so would Gemma 2/3's sandwich layer without Gemma's (1 + w) norms and GeGLU (GLM-4's, under its own
     names), Granite's residual multiplier on a layer that normalizes its outputs, an odd rotary_dim,
     q/k norms with a partial or interleaved RoPE, and per-layer lists of another length."""
@@ -412,7 +416,8 @@ def test_config_refuses_layouts_no_family_has() -> None:
     coda.models.LlamaConfig(**shape, post_norm=True)
     coda.models.LlamaConfig(**shape, gemma=True)  # Gemma 1
     coda.models.LlamaConfig(**shape, gemma=True, sandwich=True)  # Gemma 2/3
-    for other in ("gemma", "sandwich", "qk_norm", "qkv_bias"):
+    coda.models.LlamaConfig(**shape, post_norm=True, qk_norm=True)  # EXAONE 4
+    for other in ("gemma", "sandwich", "qkv_bias"):
         with pytest.raises(ValueError, match="post_norm .* describes no family"):
             coda.models.LlamaConfig(**shape, post_norm=True, **{other: True})
     coda.models.LlamaConfig(**shape, sandwich=True, hf_family="glm4")  # GLM-4
@@ -420,8 +425,8 @@ def test_config_refuses_layouts_no_family_has() -> None:
         coda.models.LlamaConfig(**shape, sandwich=True)
     with pytest.raises(ValueError, match="is not glm4's"):
         coda.models.LlamaConfig(**shape, gemma=True, sandwich=True, hf_family="glm4")
-    with pytest.raises(ValueError, match="hf_family='exaone4' is not one from_hf supports"):
-        coda.models.LlamaConfig(**shape, hf_family="exaone4")
+    with pytest.raises(ValueError, match="hf_family='mixtral' is not one from_hf supports"):
+        coda.models.LlamaConfig(**shape, hf_family="mixtral")
     coda.models.LlamaConfig(**shape, rotary_dim=2)
     with pytest.raises(ValueError, match="rotary_dim=3 must be even"):
         coda.models.LlamaConfig(**shape, rotary_dim=3)

@@ -149,6 +149,8 @@ class Family:
     fused_gate_up: bool = False  # one gate_up_proj per layer ([gate; up] rows: Phi-3, GLM)
     # Which dims of a head its RoPE rotates together: "halves" (i, i + r/2), or "interleaved" (2i, 2i + 1: GLM)
     rope_pairs: str = "halves"
+    # Which layers rotate q and k (a flag per layer), for families with layers without RoPE; None: all.
+    rotary_layers: Callable[[Any], tuple[bool, ...] | None] | None = None
     # Sparse MoE layers (a router over experts where the config says; dense MLPs elsewhere): coda.patch
     # keeps HF's MoE block, runs the norm in front of it alone, and adds the router's load-balancing
     # loss in the causal LM's forward as HF's does.
@@ -234,6 +236,12 @@ _SMOLLM3 = {**_LLAMA, "sliding_window": ANY, "use_sliding_window": ANY, "layer_t
             "no_rope_layer_interval": DERIVED}
 
 
+def _smollm3_rotary_layers(config: Any) -> tuple[bool, ...] | None:
+    """SmolLM3's `no_rope_layers` (despite the name, 1 marks a layer that rotates), one per layer."""
+    flags = getattr(config, "no_rope_layers", None)
+    return None if flags is None else tuple(bool(f) for f in flags[:config.num_hidden_layers])
+
+
 def _smollm3_windows(config: Any) -> str | None:
     """transformers' SmolLM3 windows a layer in its masks wherever layer_types says
     "sliding_attention", but in flash attention only if use_sliding_window is set too: refused
@@ -260,11 +268,18 @@ _GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
 _GLM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
         "rope_parameters": PARTIAL_ROPE, "rope_scaling": PARTIAL_ROPE, "partial_rotary_factor": PARTIAL_FRACTION}
 
-# EXAONE 4, through coda.patch only: OLMo 2's layer (norms on the attention and MLP outputs) with
-# per-head q/k norms, windowed layers and global layers without RoPE, all inside HF's attention, which
-# coda.patch keeps (coda's own model computes per-head q/k norms only with input norms).
+# EXAONE 4: OLMo 2's layer (norms on the attention and MLP outputs) with per-head q/k norms (Family.qk_norm),
+# windowed layers, and where a window is set, global layers without RoPE.
 _EXAONE4 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY, "sliding_window_pattern": DERIVED,
             "layer_types": _attention_only(LAYER_TYPES)}
+
+
+def _exaone4_rotary_layers(config: Any) -> tuple[bool, ...] | None:
+    """EXAONE 4 rotates q and k on its windowed layers only, or on every layer where no window is set."""
+    types_ = getattr(config, "layer_types", None)
+    if types_ is None or getattr(config, "sliding_window", None) is None:
+        return None
+    return tuple(t == "sliding_attention" for t in types_)
 
 # Sparse MoE families, through coda.patch only: Llama's layer (Qwen3-MoE's with QK-norm) whose MLP is,
 # where the config says, a router over experts (Qwen2-MoE's with a gated shared expert), all HF's. Which
@@ -292,12 +307,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("phi3", BOTH, _PHI3, fused_qkv=True, fused_gate_up=True),
     Family("olmo2", BOTH, _OLMO2, norms=POST_NORMS),
     Family("olmo3", BOTH, _OLMO3, norms=POST_NORMS),
-    Family("smollm3", BOTH, _SMOLLM3, consistent=_smollm3_windows),
+    Family("smollm3", BOTH, _SMOLLM3, consistent=_smollm3_windows, rotary_layers=_smollm3_rotary_layers),
     Family("granite", BOTH, _GRANITE),
     Family("glm", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved"),
     Family("glm4", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved",
            norms=GLM4_NORMS),
-    Family("exaone4", frozenset({PATCH}), _EXAONE4, norms=POST_NORMS),
+    Family("exaone4", BOTH, _EXAONE4, norms=POST_NORMS, qk_norm=True, rotary_layers=_exaone4_rotary_layers),
     Family("mixtral", frozenset({PATCH}), {**_MISTRAL, **_MOE}, moe=True),
     Family("qwen2_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE}, moe=True),
     Family("qwen3_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE},

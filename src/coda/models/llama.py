@@ -31,10 +31,10 @@ from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, 
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
 from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, supported
-from .llama_block import NativeBlockWeights, block_segment, inv_freq
+from .llama_block import NativeBlockWeights, block_segment, inv_freq, rope_freq_table
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build_all, documents, padding
-from .qkv_projection import whole_qk_norm_qkv
+from .qkv_projection import qk_norm_qkv, whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual
 
 
@@ -69,7 +69,8 @@ class LlamaConfig:
     sandwich: bool = False
     # OLMo 2: no norm in front of attention or the MLP; norms on the attention and MLP outputs
     # (sandwich.post_norm_residual); q and k each RMS-normalized over its whole width ([H*hd] and
-    # [KV*hd] weights, rms_norm_eps) before RoPE (qkv_projection.whole_qk_norm_qkv).
+    # [KV*hd] weights, rms_norm_eps) before RoPE (qkv_projection.whole_qk_norm_qkv), or with qk_norm
+    # per head (EXAONE 4: qkv_projection.qk_norm_qkv).
     post_norm: bool = False
     local_rope: tuple[float, tuple[float, ...] | None] | None = None  # (theta, scaling) of sliding layers (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim's
@@ -94,8 +95,8 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.keyless_queries not in ("zeros", "mean"):
             raise ValueError(f"LlamaConfig: keyless_queries={self.keyless_queries!r} (takes 'zeros' or 'mean')")
-        if self.post_norm and (self.gemma or self.sandwich or self.qk_norm or self.qkv_bias):
-            raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, sandwich, qk_norm or qkv_bias "
+        if self.post_norm and (self.gemma or self.sandwich or self.qkv_bias):
+            raise ValueError("LlamaConfig: post_norm (OLMo 2's layer) with gemma, sandwich or qkv_bias "
                              "describes no family coda computes")
         if self.residual_multiplier != 1.0 and (self.sandwich or self.post_norm):
             raise ValueError("LlamaConfig: residual_multiplier (Granite's) with sandwich or post_norm describes no "
@@ -224,7 +225,7 @@ class LlamaConfig:
                    attn_softcap=_number(config, "attn_logit_softcapping"),
                    final_softcap=_number(config, "final_logit_softcapping"),
                    keyless_queries="mean" if hf_attention(config) == "eager" else "zeros",
-                   rotary_layers=_rotary_layers(config),
+                   rotary_layers=None if family.rotary_layers is None else family.rotary_layers(config),
                    attention_multiplier=_number(config, "attention_multiplier"),
                    embedding_multiplier=_number(config, "embedding_multiplier"),
                    residual_multiplier=_number(config, "residual_multiplier", 1.0),
@@ -251,12 +252,6 @@ def _rotary_dim(config, rope: dict) -> int | None:
         return None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return int(head_dim * fraction)
-
-
-def _rotary_layers(config) -> tuple[bool, ...] | None:
-    """SmolLM3's `no_rope_layers` (despite the name, 1 marks a layer that rotates), one per layer."""
-    flags = getattr(config, "no_rope_layers", None)
-    return None if flags is None else tuple(bool(f) for f in flags[:config.num_hidden_layers])
 
 
 def _number(config, name: str, default: float | None = None) -> float | None:
@@ -366,8 +361,14 @@ def qkv_segment(c: LlamaConfig, layer: int, x: torch.Tensor, pos: torch.Tensor, 
     """Layer `layer`'s qkv from the residual stream x as `first_segment` (its input norm's row pass,
     then the QKV GEMM with RoPE, the biases or QK-norm in its epilogue): layer 0's, and every
     layer's after a Gemma 2/3 layer (whose sandwich norm ends in a row pass). OLMo 2 (no input norm,
-    whole-width q/k norms): the GEMM, then row passes (whole_qk_norm_qkv)."""
+    whole-width q/k norms): the GEMM, then row passes (whole_qk_norm_qkv); EXAONE 4 (no input norm,
+    per-head q/k norms): the GEMM with Qwen3's QK-norm epilogue (qk_norm_qkv)."""
     theta, scaling = c.rope(layer)
+    if c.post_norm and c.qk_norm:
+        freq = rope_freq_table(c.dim_per_head, c.num_attention_heads, c.num_key_value_heads, theta,
+                               None if scaling is None else list(scaling), x.device)
+        return qk_norm_qkv(x, pos, freq, w_qkv, g_q, g_k, c.num_attention_heads, c.num_key_value_heads,
+                           c.rms_norm_eps)
     if c.post_norm:
         return whole_qk_norm_qkv(x, pos, inv_freq(c.dim_per_head, theta, scaling, x.device), w_qkv, g_q, g_k,
                                  c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps)
@@ -394,7 +395,7 @@ def _qkv_rows(c: LlamaConfig) -> int:
 def _qk_norms(c: LlamaConfig, **factory: object) -> tuple[nn.Parameter | None, nn.Parameter | None]:
     """The q and k norm weights (HF order) where the config has them: per head ([head_dim] each), or
     OLMo 2's over the whole width ([H*hd] and [KV*hd])."""
-    if c.post_norm:
+    if c.post_norm and not c.qk_norm:
         return tuple(nn.Parameter(torch.ones(n * c.dim_per_head, **factory))
                      for n in (c.num_attention_heads, c.num_key_value_heads))
     if not c.qk_norm:
@@ -530,7 +531,7 @@ class LlamaForCausalLM(nn.Module):
                 p = f"model.layers.{i}."
                 attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(i)
                 if attn_norm is not None:  # (OLMo 2 has none)
-                    attn_norm.copy_(take(p + "input_layernorm.weight"))
+                    attn_norm.copy_(take(f"{p}{layout.norms.attn_in}.weight"))
                 w_qkv.copy_(qkv_rows(p, "weight"))
                 if b_qkv is not None:  # permuted like the rows they add to
                     b_qkv.copy_(qkv_rows(p, "bias"))
@@ -591,7 +592,7 @@ class LlamaForCausalLM(nn.Module):
                 sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
             sd[p + "mlp.down_proj.weight"] = get(layer.w_down)
             if attn_norm is not None:
-                sd[p + "input_layernorm.weight"] = attn_norm
+                sd[f"{p}{layout.norms.attn_in}.weight"] = attn_norm
             sd.update({f"{p}{name}.weight": get(norm) for name, norm in self._layer_norms(i).items()})
         sd["model.norm.weight"] = get(self.norm)
         sd["lm_head.weight"] = get(self.embed_tokens if self.lm_head is None else self.lm_head)

@@ -10,6 +10,8 @@ decided here once for both segments that end in it (`first_segment`, `block_segm
   `qkv` (docs/ALGEBRA.md 3a).
 
 * whole-width q/k norms (OLMo 2): `whole_qk_norm_qkv`, row passes after a plain GEMM (below).
+* per-head q/k norms without an input norm (EXAONE 4): `qk_norm_qkv`, Qwen3's epilogue with a unit
+  row scale, as an op of its own (below).
 
 `rstd` is the input norm's row scale the GEMM applies (block segments), or None where the GEMM's
 input is normalized already (the first segment's row pass applied it).
@@ -152,3 +154,43 @@ def whole_qk_norm_qkv(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor
     freq = inv_freq.float()
     return _whole_qk_norm_rope(F.linear(x, w_qkv), g_q, g_k, pos, freq.repeat(n_heads), freq.repeat(n_kv_heads),
                                float(eps))
+
+
+# -- per-head q/k norms without an input norm (EXAONE 4): x -> qkv, the QK-norm epilogue on x @ w_qkv.T --
+
+def _qkn_fwd(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, w_qkv: torch.Tensor, g_q: torch.Tensor,
+             g_k: torch.Tensor, n_heads: int, n_kv_heads: int, eps: float) -> torch.Tensor:
+    return qkv_forward(x, None, pos, freq, w_qkv, [], [g_q, g_k], n_heads, n_kv_heads, eps)
+
+
+def _qkn_fake(x, pos, freq, w_qkv, g_q, g_k, n_heads, n_kv_heads, eps):
+    return x.new_empty(x.shape[0], w_qkv.shape[0])
+
+
+def _qkn_save(x, pos, freq, w_qkv, g_q, g_k, n_heads, n_kv_heads, eps, *, out):
+    return x, pos, freq, w_qkv, g_q, g_k, n_heads, n_kv_heads, eps
+
+
+def _qkn_bwd(d_qkv: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, w_qkv: torch.Tensor,
+             g_q: torch.Tensor, g_k: torch.Tensor, n_heads: int, n_kv_heads: int,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dz, _, (dg_q, dg_k) = qkv_backward(d_qkv, x, None, pos, freq, w_qkv, [], [g_q, g_k], n_heads, n_kv_heads, eps)
+    return gemm(dz, w_qkv), gemm(dz.T, x), dg_q, dg_k
+
+
+def _qkn_bwd_fake(d_qkv, x, pos, freq, w_qkv, g_q, g_k, n_heads, n_kv_heads, eps):
+    return torch.empty_like(x), torch.empty_like(w_qkv), torch.empty_like(g_q), torch.empty_like(g_k)
+
+
+_qk_norm_qkv = fused_op("coda::qk_norm_qkv", forward=_qkn_fwd, fake=_qkn_fake, save=_qkn_save, backward=_qkn_bwd,
+                        backward_fake=_qkn_bwd_fake, grads=("x", "w_qkv", "g_q", "g_k"))
+
+
+def qk_norm_qkv(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, w_qkv: torch.Tensor, q_norm: torch.Tensor,
+                k_norm: torch.Tensor, n_heads: int, n_kv_heads: int, eps: float) -> torch.Tensor:
+    """EXAONE 4's qkv: x (no input norm) times the fused, pair-permuted w_qkv, each q and k head
+    RMS-normalized (q_norm, k_norm: [head_dim] weights in HF order) and rotated in the GEMM's
+    epilogue, Qwen3's `rms_qknorm_rope` with a unit row scale; `freq` the fused columns' RoPE table
+    (llama_block.rope_freq_table). Backward: the QK-norm-backward epilogue on the recomputed GEMM,
+    then dx and dW_qkv as two GEMMs. Differentiable in x, w_qkv, q_norm, k_norm."""
+    return _qk_norm_qkv(x, pos, freq, w_qkv, q_norm, k_norm, n_heads, n_kv_heads, float(eps))

@@ -43,6 +43,7 @@ FAMILIES = {
     "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0),
     "glm4": dict(head_dim=8, pad_token_id=0),
     "exaone4": dict(head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "helium": dict(head_dim=8, attention_bias=True, pad_token_id=0),
 }
 
 

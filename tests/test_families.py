@@ -84,6 +84,12 @@ FROM_HF_CASES = {
     # layer 1 global without RoPE; weights of std 0.2 as OLMo 2's (PATCH_CASES says why)
     "exaone4": dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                     initializer_range=0.2),
+    # Llama's layer with q/k/v biases and RoPE over interleaved pairs (2i, 2i + 1) of the whole head
+    "helium": dict(head_dim=8, attention_bias=True, pad_token_id=0),
+    # Llama's layer with RoPE over interleaved pairs (rotated in fp32 by HF), tied (its default)
+    "ernie4_5": dict(head_dim=8),
+    # Llama's layer with q/k/v biases (its default); its dropouts (0.1 by default) off
+    "seed_oss": dict(head_dim=8, attention_dropout=0.0, residual_dropout=0.0, pad_token_id=0),
 }
 PATCH_CASES = {
     "llama": dict(attention_bias=True),  # q/k/v/o biases: HF's attention, kept by patch
@@ -140,6 +146,12 @@ PATCH_CASES = {
     # QK-norm; layer 0 dense, layer 1 sparse, top-k weights renormalized
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
                       norm_topk_prob=True, output_router_logits=True),
+    # Llama's layer with q/k/v biases and RoPE over interleaved pairs (2i, 2i + 1) of the whole head
+    "helium": dict(head_dim=8, attention_bias=True, pad_token_id=0),
+    # Llama's layer with RoPE over interleaved pairs (rotated in fp32 by HF), tied (its default)
+    "ernie4_5": dict(head_dim=8),
+    # Llama's layer with q/k/v biases (its default); its dropouts (0.1 by default) off
+    "seed_oss": dict(head_dim=8, attention_dropout=0.0, residual_dropout=0.0, pad_token_id=0),
 }
 
 
@@ -287,6 +299,9 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
     ("granite", dict(residual_multiplier=float("inf")), "residual_multiplier"),
     ("smollm3", dict(no_rope_layers=[1, 2]), "no_rope_layers"),  # 0 or 1 per layer
     ("glm", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
+    ("ernie4_5", dict(use_bias=True), "use_bias"),  # every projection biased
+    ("seed_oss", dict(residual_dropout=0.0, attention_out_bias=True), "attention_out_bias"),
+    ("seed_oss", dict(residual_dropout=0.0), "attention_dropout"),  # its default 0.1
 ])
 def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, field: str) -> None:
     config = CONFIGS[model_type](**SHAPE, **kw)
@@ -307,6 +322,8 @@ def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, f
     ("olmo2", dict(some_future_field=1), "some_future_field"),
     ("granite", dict(logits_scaling=0.0), "logits_scaling"),  # the LM head divides by it
     ("granite", dict(mlp_bias=True), "mlp_bias"),
+    ("helium", dict(mlp_bias=True), "mlp_bias"),
+    ("seed_oss", dict(), "residual_dropout"),  # (0.1 by default) applied inside the MLP patch replaces
 ])
 def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: dict, field: str) -> None:
     with pytest.raises(TypeError, match=rf"{model_type}: .*{field}="):

@@ -268,6 +268,15 @@ _GRANITE = {**_LLAMA, "attention_multiplier": _attention_only(FINITE),
 _GLM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
         "rope_parameters": PARTIAL_ROPE, "rope_scaling": PARTIAL_ROPE, "partial_rotary_factor": PARTIAL_FRACTION}
 
+# Llama's layer with q/k/v biases where attention_bias says, under other names and RoPE pairings:
+# Helium (interleaved pairs; o_proj without bias), Ernie 4.5 (interleaved pairs; use_bias would bias every
+# projection), Seed-OSS (o_proj's bias is attention_out_bias; its dropouts on the attention and MLP
+# outputs: the MLP's is inside the MLP coda.patch replaces, so both entry points need it 0).
+_HELIUM = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS, "attention_bias": _attention_only(ANY)}
+_ERNIE4_5 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "use_bias": NO_BIAS}
+_SEED_OSS = {**_LLAMA, "attention_bias": _attention_only(ANY), "attention_out_bias": _attention_only(NO_BIAS),
+             "residual_dropout": Rule(lambda v: not v, "0 (no dropout)")}
+
 # EXAONE 4: OLMo 2's layer (norms on the attention and MLP outputs) with per-head q/k norms (Family.qk_norm),
 # windowed layers, and where a window is set, global layers without RoPE.
 _EXAONE4 = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY, "sliding_window_pattern": DERIVED,
@@ -312,6 +321,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved"),
     Family("glm4", BOTH, _GLM, qkv_bias="attention_bias", fused_gate_up=True, rope_pairs="interleaved",
            norms=GLM4_NORMS),
+    Family("helium", BOTH, _HELIUM, qkv_bias="attention_bias", rope_pairs="interleaved"),
+    Family("ernie4_5", BOTH, _ERNIE4_5, rope_pairs="interleaved"),
+    Family("seed_oss", BOTH, _SEED_OSS, qkv_bias="attention_bias"),
     Family("exaone4", BOTH, _EXAONE4, norms=POST_NORMS, qk_norm=True, rotary_layers=_exaone4_rotary_layers),
     Family("mixtral", frozenset({PATCH}), {**_MISTRAL, **_MOE}, moe=True),
     Family("qwen2_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE}, moe=True),

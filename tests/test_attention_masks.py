@@ -6,6 +6,8 @@ gradient. Then the two forms of a mask (attention.py): flash's sequences against
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -71,19 +73,32 @@ def ids_and_labels(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 
+def grads(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
+    ref = {n: p.grad for n, p in hf.named_parameters()}
+    ref.setdefault("lm_head.weight", ref["model.embed_tokens.weight"])
+    return ref
+
+
 def assert_same_step(model: LlamaForCausalLM, hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
                      **kw: torch.Tensor) -> None:
-    """Loss and every gradient of one step, coda against HF, on the same inputs."""
+    """Loss and every gradient of one step, coda against HF, on the same inputs: within 1e-5 (relative),
+    or, for a gradient HF's own fp32 run has further than that from its fp64 run (q/k gradients through
+    large q/k biases: fp32 attention backward's noise, test_families.assert_like_hf), within twice HF's
+    own error from fp64."""
+    reference = copy.deepcopy(hf).double()
     ours, theirs = model(ids, labels=labels, **kw), hf(input_ids=ids, labels=labels, **kw)
     assert abs(ours.loss.item() - theirs.loss.item()) < 1e-5 * abs(theirs.loss.item())
     ours.loss.backward()
     theirs.loss.backward()
-    mine = model.to_hf_state_dict(grads=True)
-    ref = {n: p.grad for n, p in hf.named_parameters()}
-    ref.setdefault("lm_head.weight", ref["model.embed_tokens.weight"])
+    mine, ref = model.to_hf_state_dict(grads=True), grads(hf)
     assert set(mine) == set(ref)
-    for name, g in ref.items():
-        assert rel(mine[name], g) < 1e-5, f"{name}: relative error {rel(mine[name], g):.3g}"
+    off = [name for name, g in ref.items() if rel(mine[name], g) >= 1e-5]
+    if off:
+        reference(input_ids=ids, labels=labels, **kw).loss.backward()
+        exact = grads(reference)
+        for name in off:
+            err, hf_err = rel(mine[name], exact[name]), rel(ref[name], exact[name])
+            assert err < max(1e-5, 2 * hf_err), f"{name}: relative error {err:.3g} (HF fp32's own: {hf_err:.3g})"
 
 
 @pytest.mark.parametrize("family", FAMILY_CASES)
@@ -385,8 +400,6 @@ def test_packed_bf16_error_is_within_hf_bf16_error(family: str) -> None:
     document), on the CPU the boolean form. Against HF fp32 on the same bf16-rounded weights, coda's
     bf16 loss and gradients are no further off than HF's own bf16 run (twice its error plus a bf16 ulp:
     the bound of the other bf16 tests)."""
-    import copy
-
     hf32 = hf_model(family, use_cache=False, **FAMILIES[family])
     hf32.to(torch.bfloat16).float()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)

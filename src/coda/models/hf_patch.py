@@ -184,8 +184,9 @@ def _rotates_halves(hf_rope: Callable) -> bool:
     paired, cos and sin over the whole head), tried on a small fp64 probe: GLM's, which rotates
     interleaved pairs, does not, and keeps its own."""
     g = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, heads, 3, 8, generator=g, dtype=torch.float64) for heads in (2, 1))
-    angles = torch.randn(1, 3, 4, generator=g, dtype=torch.float64)
+    # (on the CPU whatever the default device: the probe's generator is a CPU one)
+    q, k = (torch.randn(1, heads, 3, 8, generator=g, dtype=torch.float64, device="cpu") for heads in (2, 1))
+    angles = torch.randn(1, 3, 4, generator=g, dtype=torch.float64, device="cpu")
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
 
     def rotated(x: torch.Tensor) -> torch.Tensor:

@@ -76,9 +76,9 @@ FROM_HF_CASES = {
     # Phi-3's fused gate_up_proj, q/k/v biases (its default attention_bias), RoPE over interleaved pairs
     # (2i, 2i + 1) of the first half of each head (its default); the default pad id is past VOCAB
     "glm": dict(head_dim=8, pad_token_id=0),
-    # GLM's layer with norms on the attention and MLP outputs (row passes), without biases; RoPE over
-    # 12 of each head's 16 dims, linearly scaled
-    "glm4": dict(head_dim=16, pad_token_id=0, attention_bias=False,
+    # GLM's layer with norms on the attention and MLP outputs (row passes), q/k/v biases (its default);
+    # RoPE over 12 of each head's 16 dims, linearly scaled
+    "glm4": dict(head_dim=16, pad_token_id=0,
                  rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.75}),
     # OLMo 2's layer with per-head q/k norms (Qwen3's epilogue without an input norm); layer 0 windowed,
     # layer 1 global without RoPE; weights of std 0.2 as OLMo 2's (PATCH_CASES says why)
@@ -221,6 +221,17 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
+# Families whose every mechanism another family's case exercises in the quick subset run in the full
+# suite only: Helium's, Ernie 4.5's and GLM's interleaved RoPE and biases (GLM-4's case), Seed-OSS's
+# q/k/v biases (Qwen2's), Ministral's per-layer windows (Qwen2's, Gemma 3's), OLMo 3's layer (OLMo 2's)
+# with per-type RoPE (Gemma 3's), Qwen2-MoE's sparse layers (Qwen3-MoE's and Mixtral's).
+COVERED = {"helium", "ernie4_5", "glm", "seed_oss", "ministral", "olmo3", "qwen2_moe"}
+
+
+def quick_or_slow(model_types: object) -> list:
+    return [pytest.param(t, marks=pytest.mark.slow) if t in COVERED else t for t in sorted(model_types)]
+
+
 @pytest.mark.parametrize("entry", [FROM_HF, PATCH])
 def test_every_causal_lm_family_is_supported_and_tested_or_refused(entry: str) -> None:
     tested = FROM_HF_CASES if entry == FROM_HF else PATCH_CASES
@@ -238,14 +249,14 @@ def test_every_causal_lm_family_is_supported_and_tested_or_refused(entry: str) -
     assert refused > 100  # the mapping was read: transformers has well over a hundred such families
 
 
-@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+@pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
 def test_from_hf_matches_hf_in_fp32(model_type: str) -> None:
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
     model = coda.models.from_hf(hf)
     assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
 
 
-@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+@pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
 def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
     sd, ref = coda.models.from_hf(hf).to_hf_state_dict(), hf.state_dict()
@@ -253,19 +264,15 @@ def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
     assert all(torch.equal(sd[k], ref[k]) for k in ref)
 
 
-@pytest.mark.parametrize("model_type", sorted(PATCH_CASES))
+@pytest.mark.parametrize("model_type", quick_or_slow(PATCH_CASES))
 def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     hf = hf_model(model_type, **PATCH_CASES[model_type])
     model = coda.patch(copy.deepcopy(hf))
     assert_like_hf(hf, run(model))
 
 
-# The quick subset pads and packs through coda.patch for the family coda's own model does not take;
-# every family in the full suite.
-PATCH_MASK_CASES = [t if t == "exaone4" else pytest.param(t, marks=pytest.mark.slow) for t in sorted(PATCH_CASES)]
-
-
-@pytest.mark.parametrize("model_type", PATCH_MASK_CASES)
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(PATCH_CASES))
 @pytest.mark.parametrize("form", ["padding", "packed"])
 def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, form: str) -> None:
     """coda.patch keeps HF's attention and masks; its RoPE (where swapped) takes HF's cos and sin of the
@@ -380,8 +387,8 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
         assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3", "smollm3",
-                                        "granite", "glm", "glm4", "exaone4"])
+@pytest.mark.parametrize("model_type", quick_or_slow(["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3",
+                                                      "smollm3", "granite", "glm", "glm4", "exaone4"]))
 def test_from_hf_logits_match_hf(model_type: str) -> None:
     """Without labels the model returns HF's logits (Gemma 2's capped, Granite's scaled)."""
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -458,7 +465,7 @@ def test_config_refuses_layouts_no_family_has() -> None:
             coda.models.LlamaConfig(**shape, residual_multiplier=0.5, **layer)
 
 
-@pytest.mark.parametrize("model_type", sorted(FROM_HF_CASES))
+@pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
 def test_config_reads_the_attention_transformers_runs(model_type: str) -> None:
     """A query that sees no key gets eager attention's mean where transformers runs the model with
     eager attention: the one its config names, else the one transformers picks when it builds the
@@ -495,7 +502,8 @@ def test_from_hf_reads_every_weight() -> None:
         model.load_hf_state_dict(missing)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "olmo3", "granite", "glm4", "exaone4"])
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2", "granite", "glm4",
+                                        *(pytest.param(t, marks=pytest.mark.slow) for t in ("olmo3", "exaone4"))])
 def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
     """The families with their own layer patch, norms or LM head: every norm and MLP of a decoder layer runs
     coda's forward (OLMo 2's q/k norms inside attention too, GLM-4's output norms), and the attention HF's
@@ -517,6 +525,7 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
         assert torch.equal(model.generate(prompt, **args), hf.generate(prompt, **args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_patch_keeps_hf_moe_blocks_and_their_loss(model_type: str) -> None:
     """In a sparse layer coda.patch runs both norms alone and leaves the router and experts HF's (a dense

@@ -177,6 +177,7 @@ def _tune(args: argparse.Namespace) -> list[str]:
                                     "with it")
         if args.batch is None or args.seq is None:
             raise pretune.TuneError("--hf-config needs --batch and --seq (the training step's shape)")
+        pretune.require_gpu()  # before reading the config: importing transformers takes seconds
         model = pretune.model_shape(pretune.hf_config(args.hf_config, dict(args.overrides)))
         return pretune.tune_model(model, args.batch, args.seq, args.force)
     if not args.targets or not args.shape:

@@ -101,12 +101,17 @@ def _operands(graph, m: int, n: int, dtype: torch.dtype, ints: list[str]) -> dic
     return ops
 
 
+def require_gpu() -> None:
+    """TuneError where kernels run in Triton's interpreter: there is nothing to time."""
+    if runtime.interpreting():
+        raise TuneError(NO_GPU)
+
+
 def tune_epilogues(targets: list[str], shapes: list[tuple[int, int, int]], dtype: str, ints: list[str],
                    force: bool) -> list[str]:
     """Run each epilogue once per shape (b an nn.Linear weight view) with tuning on; a line per run."""
     epilogues = [(target, load_epilogue(target)) for target in targets]
-    if runtime.interpreting():
-        raise TuneError(NO_GPU)
+    require_gpu()
     # The command exists to tune: CODA_AUTOTUNE=0 (the default) would make it a silent no-op.
     os.environ["CODA_AUTOTUNE"] = "force" if force else "1"
     dt = DTYPES[dtype]
@@ -127,8 +132,7 @@ def tune_epilogues(targets: list[str], shapes: list[tuple[int, int, int]], dtype
 def tune_model(shape: LlamaConfig, batch: int, seq: int, force: bool) -> list[str]:
     """Tune every GEMM key of one training step (forward+backward) of the model at batch x seq;
     a line per key tuned, then a summary."""
-    if runtime.interpreting():
-        raise TuneError(NO_GPU)
+    require_gpu()
     torch.manual_seed(0)
     model = LlamaForCausalLM(shape, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, shape.vocab_size, (batch, seq), device="cuda")

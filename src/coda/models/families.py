@@ -166,7 +166,7 @@ class Family:
 
     @property
     def post_norm(self) -> bool:
-        """Norms only on the attention and MLP outputs (OLMo 2), whole-width q/k norms."""
+        """Norms only on the attention and MLP outputs (OLMo 2: whole-width q/k norms; EXAONE 4: per head)."""
         return self.norms.attn_in is None
 
     def has_qkv_bias(self, config: Any) -> bool:

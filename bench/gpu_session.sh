@@ -13,6 +13,9 @@
 #                 untuned, each width in a fresh process (bench/block_kernels.py), 5-7 min
 #   first_call    seconds to the first training step from an empty cache and from a warm one, and each
 #                 kernel's first compile (bench/first_call.py; FIRST_CALL_ARGS, e.g. "--cases llama_1b")
+#   tune          `coda tune` ahead of time (TUNE_ARGS, e.g. "--hf-config SmolLM3Config --set num_hidden_layers=4
+#                 --batch 2 --seq 4096"): its per-key lines in tune.log, the cache back as tuning.tgz; the train
+#                 step's coda_tuned variant then reads it
 #   train         end-to-end training steps per family and variant, each in its own process (bench/train.py;
 #                 TRAIN_ARGS picks models, shapes and variants, e.g. "--models llama3.2-1b --variants coda,hf_eager")
 # Investigation tools (bench/tools/):
@@ -75,6 +78,7 @@ for step in $steps; do
     first_call) timeout $STEP_TIMEOUT python3 bench/first_call.py --out "$OUT" ${FIRST_CALL_ARGS:-} 2>&1 \
                   | tee "$OUT/first_call.log" | tail -30 ;;
     attention) timeout $STEP_TIMEOUT python3 bench/tools/attention.py --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+    tune) timeout $STEP_TIMEOUT python3 -m coda tune ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | untuned_lines | tail -40 ;;
     train) timeout $STEP_TIMEOUT python3 bench/train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | untuned_lines \
              | tee "$OUT/train.log" | grep '^\[train\]' | tail -40 ;;
     profile) timeout $STEP_TIMEOUT python3 bench/tools/profile_ops.py --out "$OUT" 2>&1 | untuned_lines \
@@ -91,7 +95,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, train, profile, rowwise, step_gaps, compile_times, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, tune, train, profile, rowwise, step_gaps, compile_times, timeline)"; exit 2 ;;
   esac
 done
 # (an if, not `&&`: with no tuning cache the call still exits 0)

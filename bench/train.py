@@ -16,6 +16,8 @@ Variants, each in its own process (patching libraries change classes globally):
   coda          coda's model of the same weights (coda.models.from_hf)
   coda_compile  torch.compile(fullgraph=True) of it
   coda_patch    coda.patch on the transformers model
+  coda_tuned    coda with CODA_AUTOTUNE=1: the tuning cache's configs (fill it first with `coda tune
+                --hf-config ...` at the same shapes; a key not in it is tuned during the warm-up)
 Before it is timed, each variant's logits on the first sequence are checked against transformers'
 on the same weights (coda_compile's before it is compiled): their relative error against
 transformers' in the same dtype and in fp32 is in its row, and over CHECK_TOLERANCE or twice
@@ -51,7 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-VARIANTS = ("hf_eager", "hf_liger", "coda", "coda_compile", "coda_patch")
+VARIANTS = ("hf_eager", "hf_liger", "coda", "coda_compile", "coda_patch", "coda_tuned")
+DEFAULT_VARIANTS = VARIANTS[:-1]  # coda_tuned only when asked: it needs a filled tuning cache
 # A variant's logits against transformers' in fp32 on the same (bf16) weights and sequence, relative
 # error: within this or twice transformers' own bf16 error, whichever is larger. bf16 noise was ~0.004 at
 # --tiny and 0.05 at Phi-3-mini's 32 layers (H100: Liger 0.052, coda 0.057 against HF in bf16); coda's
@@ -212,7 +215,7 @@ def build(variant: str, hf):
             raise ValueError(f"Liger-Kernel has no kernels for model_type {hf.config.model_type!r}")
         _apply_liger_kernel_to_instance(model=hf)
         return hf
-    if variant not in ("coda", "coda_compile", "coda_patch"):
+    if variant not in ("coda", "coda_compile", "coda_patch", "coda_tuned"):
         raise ValueError(f"unknown variant {variant!r}")
     try:
         return coda.patch(hf) if variant == "coda_patch" else coda_from_hf(hf)
@@ -376,9 +379,11 @@ def spawn(args, model: str, shape: str, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--shape", shape, "--variant", variant,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed),
            "--layers", str(args.layers)] + ["--tiny"] * args.tiny + ["--packed"] * args.packed
+    # every other variant runs untuned, whatever the caller's environment says
+    env = {**os.environ, "CODA_AUTOTUNE": "1" if variant == "coda_tuned" else "0"}
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
@@ -517,7 +522,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--shapes", help="batch x seq, e.g. 2x4096,4x8192 (default 2x4096; --tiny 2x8)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--packed", action="store_true", help="documents of seq/8 to seq/2 tokens per row")
     ap.add_argument("--layers", type=int, default=0, help="override the models' layer count")
     ap.add_argument("--steps", type=int, default=10)

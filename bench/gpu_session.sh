@@ -27,6 +27,8 @@
 #                 (step_gaps.py; STEP_GAPS_ARGS, e.g. "--models gemma3-1b,llama3.2-1b --packed no"), ~1 min a row
 #   compile_times the property tests' random programs' first calls on both backends, compile time and result
 #                 (compile_times.py; COMPILE_TIMES_ARGS, e.g. "--per-shape 24"), ~2 min at 8 a shape
+#   bf16_seeds    coda's bf16 error over HF's own per family and weight seed, with coda's attention kernel and
+#                 with transformers' (bench/tools/bf16_seeds.py; BF16_SEEDS_ARGS, e.g. "--families exaone4")
 #   timeline      per-tile timelines of the block's fused GEMMs, as generated and with template v4's changes
 #                 undone (timeline.py variants), ~4 min
 # Usage on the device (pydantic travels as wheels in .whl): CODA_COMMIT=<commit sent> bash bench/gpu_session.sh STEP...; with no argument
@@ -88,6 +90,8 @@ for step in $steps; do
       | tee "$OUT/step_gaps.log" | tail -20 ;;
     compile_times) timeout $STEP_TIMEOUT python3 bench/tools/compile_times.py --out "$OUT" ${COMPILE_TIMES_ARGS:-} 2>&1 \
       | grep -v Warn | tee "$OUT/compile_times.log" | tail -8 ;;
+    bf16_seeds) timeout $STEP_TIMEOUT python3 bench/tools/bf16_seeds.py --out "$OUT" ${BF16_SEEDS_ARGS:-} 2>&1 \
+      | grep -v Warn | tee "$OUT/bf16_seeds.log" | tail -50 ;;
     timeline)
       fused=residual_norm_stats,rmsnorm_backward_residual,rms_rope,rms_swiglu,swiglu_backward_zdz
       { timeout 170 python3 bench/tools/timeline.py --out "$OUT/timeline_v4" --cases $fused
@@ -95,7 +99,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, tune, train, profile, rowwise, step_gaps, compile_times, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, tune, train, profile, rowwise, step_gaps, compile_times, bf16_seeds, timeline)"; exit 2 ;;
   esac
 done
 # (an if, not `&&`: with no tuning cache the call still exits 0)

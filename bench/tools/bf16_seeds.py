@@ -1,0 +1,83 @@
+"""The bf16 test's statistic over seeds: for each family's tiny test model (tests/test_families.py's
+FROM_HF_CASES) and each weight seed, coda's bf16 error against HF in fp32, per parameter, over HF's own
+bf16 error; the worst parameter's ratio err / (2 * hf_err + 2**-8) (the test passes at <= 1). Run
+with coda's attention as chosen (varlen flash for windowed layers on a GPU) and with SDPA's masked
+kernel, the one transformers runs, to tell attention-kernel rounding from an error in coda's own
+kernels.
+
+    python bench/tools/bf16_seeds.py --out DIR [--families exaone4,qwen3] [--seeds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+import coda  # noqa: E402
+import coda.models.llama as coda_llama  # noqa: E402
+from conftest import DEVICE, attention, rel  # noqa: E402
+from test_families import CONFIGS, FROM_HF_CASES, SHAPE, run  # noqa: E402
+import transformers  # noqa: E402
+
+
+def tiny(model_type: str, seed: int) -> torch.nn.Module:
+    """test_families.hf_model with a weight seed."""
+    torch.manual_seed(seed)
+    config = CONFIGS[model_type](**SHAPE, **FROM_HF_CASES[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
+    model = model.to(device=DEVICE, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def case(model_type: str, seed: int) -> dict:
+    hf32 = tiny(model_type, seed)
+    hf32.to(torch.bfloat16).float()
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    (_, ref), (_, hf) = run(hf32), run(hf16)
+    out = {"family": model_type, "seed": seed}
+    chosen = coda_llama.varlen_applies
+    for attn, applies in (("chosen", chosen), ("sdpa_mask", lambda *a: False)):
+        coda_llama.varlen_applies = applies
+        try:
+            model = coda.models.from_hf(copy.deepcopy(hf16))
+            _, ours = run(model, lambda m: m.to_hf_state_dict(grads=True))
+        finally:
+            coda_llama.varlen_applies = chosen
+        ratios = {n: rel(ours[n], g) / (2 * rel(hf[n], g) + 2**-8) for n, g in ref.items()}
+        worst = max(ratios, key=ratios.get)
+        out[attn] = {"worst": worst, "ratio": ratios[worst], "err": rel(ours[worst], ref[worst]),
+                     "hf_err": rel(hf[worst], ref[worst])}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--families", default="exaone4,qwen3,olmo2,glm4,gemma3_text")
+    ap.add_argument("--seeds", type=int, default=8)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model_type in args.families.split(","):
+        for seed in range(args.seeds):
+            row = case(model_type, seed)
+            rows.append(row)
+            print(f"{model_type} seed {seed}: " + "; ".join(
+                f"{k} {row[k]['ratio']:.2f} ({row[k]['worst']} {row[k]['err']:.3g} vs HF {row[k]['hf_err']:.3g})"
+                for k in ("chosen", "sdpa_mask")), flush=True)
+            (args.out / "bf16_seeds.json").write_text(json.dumps({"device": str(DEVICE), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

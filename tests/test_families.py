@@ -256,6 +256,33 @@ def test_from_hf_matches_hf_in_fp32(model_type: str) -> None:
     assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
 
 
+# YaRN over a small base and original context, so that its ramp blends pairs 0-5 of 8 (head_dim 16)
+YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 64}
+YARN_CASES = {
+    "llama": dict(head_dim=16, rope_parameters=YARN),  # the attention factor from the factor: 0.1 ln 4 + 1
+    # given, and a ramp without rounding; Qwen3's QK-norm epilogue rotates
+    "qwen3": dict(FROM_HF_CASES["qwen3"], rope_parameters={**YARN, "attention_factor": 1.5, "truncate": False}),
+    # DeepSeek's ratio of two mscale terms; the global layers' YaRN, the sliding layers' own RoPE
+    "olmo3": dict(FROM_HF_CASES["olmo3"], head_dim=16, rope_parameters={
+        "full_attention": {**YARN, "mscale": 2.0, "mscale_all_dim": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "smollm3": dict(FROM_HF_CASES["smollm3"], head_dim=16, rope_parameters=YARN),  # layer 0: no RoPE, no factor
+}
+
+
+@pytest.mark.parametrize("model_type", [t if t == "qwen3" else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in YARN_CASES])
+def test_from_hf_yarn_matches_hf_in_fp32(model_type: str) -> None:
+    """transformers' "yarn" RoPE: its frequencies in coda's table, its attention factor (which scales
+    cos and sin) squared in the softmax scale of the layers that rotate YaRN's way."""
+    hf = hf_model(model_type, **YARN_CASES[model_type])
+    model = coda.models.from_hf(hf)
+    c = model.config
+    assert [c.attention_scale(i) != c.dim_per_head ** -0.5 for i in range(c.num_hidden_layers)] == {
+        "olmo3": [False, True], "smollm3": [False, True]}.get(model_type, [True, True])
+    assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
+
+
 @pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
 def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
@@ -303,7 +330,7 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
     ("llama", dict(attention_dropout=0.1), "attention_dropout"),  # dropout changes training math
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
     ("llama", dict(pretraining_tp=2), "pretraining_tp"),
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
     ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "rope_parameters"),
     ("llama", dict(some_future_field=1), "some_future_field"),  # unknown: refused, not ignored
@@ -311,7 +338,9 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
     ("granite", dict(mlp_bias=True), "mlp_bias"),
     ("granite", dict(residual_multiplier=float("inf")), "residual_multiplier"),
     ("smollm3", dict(no_rope_layers=[1, 2]), "no_rope_layers"),  # 0 or 1 per layer
-    ("glm", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters"),
+    # YaRN's attention factor would scale GLM's rotated half of each head alone
+    ("glm", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                  "partial_rotary_factor": 0.5}), "rope_parameters"),
     ("ernie4_5", dict(use_bias=True), "use_bias"),  # every projection biased
     ("seed_oss", dict(residual_dropout=0.0, attention_out_bias=True), "attention_out_bias"),
     ("seed_oss", dict(residual_dropout=0.0), "attention_dropout"),  # its default 0.1

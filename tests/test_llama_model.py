@@ -172,9 +172,8 @@ def test_bf16_error_is_within_hf_bf16_error() -> None:
 
 
 def test_unsupported_configs_are_refused_clearly() -> None:
-    hf = hf_llama(False, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                          "original_max_position_embeddings": 32})
-    with pytest.raises(ValueError, match="rope_parameters=.*yarn"):
+    hf = hf_llama(False, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_parameters=.*dynamic"):
         LlamaForCausalLM.from_hf(hf)
 
 

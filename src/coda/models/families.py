@@ -52,7 +52,7 @@ LAYER_TYPES_NAMES = ("full_attention", "sliding_attention")
 
 def _rope_ok(rope: Any, partial: bool = False) -> bool:
     """The RoPE coda's epilogues compute (llama_block.inv_freq): theta^(-2i/d), plain or with
-    transformers' "linear" or "llama3" frequency rule, and nothing else; one such per layer type where
+    transformers' "linear", "llama3" or "yarn" frequency rule, and nothing else; one such per layer type where
     the config gives one per type (Gemma 3). Over the whole head, or (`partial`: the families whose
     attention reads it) over its first partial_rotary_factor of each head's dims."""
     if rope is None:
@@ -67,9 +67,17 @@ def _rope_ok(rope: Any, partial: bool = False) -> bool:
         keys |= {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     elif kind == "linear":
         keys |= {"factor"}
+    elif kind == "yarn":  # over the whole head: its attention factor scales the rotated dims alone
+        keys |= YARN_KEYS
+        partial = False
     elif kind != "default":
         return False
     return set(rope) <= keys and _fraction_ok(rope.get("partial_rotary_factor"), partial)
+
+
+# A "yarn" RoPE dict's keys (max_position_embeddings: Ministral 3's copy of the config's, unread).
+YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "attention_factor", "truncate", "max_position_embeddings"})
 
 
 def _fraction_ok(value: Any, partial: bool) -> bool:
@@ -86,11 +94,12 @@ SHAPE = {name: ANY for name in ("vocab_size", "hidden_size", "intermediate_size"
                                 "num_attention_heads", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")}
 SILU = Rule(lambda v: v == "silu", "'silu' (SwiGLU)")
 NO_BIAS = Rule(lambda v: not v, "False")
-ROPE = Rule(_rope_ok, "rope_type 'default', 'linear' or 'llama3' over the whole head", frozenset({FROM_HF}))
+ROPE = Rule(_rope_ok, "rope_type 'default', 'linear', 'llama3' or 'yarn' over the whole head", frozenset({FROM_HF}))
 # The same over part of each head, for the families whose RoPE reads partial_rotary_factor (Phi-3's
 # halves, GLM's interleaved pairs): LlamaConfig.rotary_dim, and the row order of conversion (Family.rope_pairs).
 PARTIAL_ROPE = Rule(lambda v: _rope_ok(v, partial=True),
-                    "rope_type 'default', 'linear' or 'llama3', over the whole head or a fraction of it", frozenset({FROM_HF}))
+                    "rope_type 'default', 'linear' or 'llama3' over the whole head or a fraction of it, or 'yarn' "
+                    "over the whole head", frozenset({FROM_HF}))
 # transformers 5.17 keeps the fraction at the config's top level (5.2x moves it into rope_parameters).
 PARTIAL_FRACTION = Rule(lambda v: _fraction_ok(v, partial=True), "a fraction in (0, 1]", frozenset({FROM_HF}))
 # Dropout changes training math: coda's own model has none; coda.patch keeps HF's modules that apply it.

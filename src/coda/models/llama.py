@@ -31,7 +31,7 @@ from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, 
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
 from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, supported
-from .llama_block import NativeBlockWeights, block_segment, inv_freq, rope_freq_table
+from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, rope_freq_table
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build_all, documents, padding
 from .qkv_projection import qk_norm_qkv, whole_qk_norm_qkv
@@ -51,7 +51,8 @@ class LlamaConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: tuple[float, ...] | None = None  # inv_freq's: linear (factor,), Llama 3's (factor, low, high, old len)
+    # inv_freq's: linear (factor,), Llama 3's (factor, low, high, old len), or YaRN's six (llama_block.YARN)
+    rope_scaling: tuple[float, ...] | None = None
     # Partial rotary (Phi-3's, GLM's partial_rotary_factor): the first rotary_dim dims of each head
     # rotate, the rest pass through (frequency 0); None: the whole head.
     rotary_dim: int | None = None
@@ -113,6 +114,10 @@ class LlamaConfig:
         hd = self.dim_per_head
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= hd and self.rotary_dim % 2 == 0):
             raise ValueError(f"LlamaConfig: rotary_dim={self.rotary_dim} must be even, in (0, head_dim={hd}]")
+        yarn = [s for s in (self.rope_scaling, self.local_rope and self.local_rope[1]) if s and len(s) == len(YARN)]
+        if yarn and self.rotary_dim not in (None, hd):
+            raise ValueError("LlamaConfig: YaRN with a partial rotary_dim: its attention factor would scale the "
+                             "rotated dims alone, which no softmax scale computes")
         if (self.qk_norm or self.post_norm) and (self.rotary_dim not in (None, hd) or layout.rope_pairs != "halves"):
             raise ValueError("LlamaConfig: q/k norms (qk_norm, post_norm) with a partial or interleaved RoPE describe "
                              "no family coda computes (their weights are read in a whole-head halves order)")
@@ -137,11 +142,16 @@ class LlamaConfig:
         """The MLP's gate activation (ops.rmsnorm_gated_mlp)."""
         return "gelu_tanh" if self.gemma else "silu"
 
-    @property
-    def attn_scale(self) -> float:
-        if self.attention_multiplier is not None:
-            return self.attention_multiplier
-        return (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
+    def attention_scale(self, layer: int) -> float:
+        """Layer `layer`'s softmax scale: Granite's attention_multiplier, else query_pre_attn_scalar's or
+        head_dim's inverse square root; times YaRN's attention factor squared on a layer that
+        rotates by YaRN (transformers scales cos and sin by it, so the rotated q and k each carry it
+        into the scores: the same scores, one multiply instead of two)."""
+        scale = self.attention_multiplier
+        if scale is None:
+            scale = (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
+        _, scaling = self.rope(layer)
+        return scale * scaling[-1] ** 2 if scaling is not None and len(scaling) == len(YARN) else scale
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full causal attention)."""
@@ -200,13 +210,15 @@ class LlamaConfig:
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         default_theta = getattr(config, "rope_theta", 10000.0)
         local = None
+        # transformers reads YaRN's `truncate` from the config's RoPE dict itself, never a layer type's
+        truncate = bool(rope.get("truncate", True))
         if "full_attention" in rope or "sliding_attention" in rope:  # one RoPE per layer type (Gemma 3)
             if "sliding_attention" in rope:
-                local = _rope(rope["sliding_attention"], default_theta)
+                local = _rope(rope["sliding_attention"], default_theta, config, truncate)
             rope = rope.get("full_attention", {})
         elif getattr(config, "rope_local_base_freq", None) is not None:  # older transformers' Gemma 3
             local = (float(config.rope_local_base_freq), None)
-        theta, scaling = _rope(rope, default_theta)
+        theta, scaling = _rope(rope, default_theta, config, truncate)
         heads, family = config.num_attention_heads, FAMILIES[config.model_type]
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
@@ -232,7 +244,7 @@ class LlamaConfig:
                    logits_scaling=_number(config, "logits_scaling", 1.0))
 
 
-def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] | None]:
+def _rope(params: dict, default_theta: float, config, truncate: bool) -> tuple[float, tuple[float, ...] | None]:
     """(theta, scaling) from one transformers RoPE dict (families._rope_ok has vetted its type)."""
     theta = float(params.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
@@ -241,7 +253,30 @@ def _rope(params: dict, default_theta: float) -> tuple[float, tuple[float, ...] 
                                                          "original_max_position_embeddings"))
     if kind == "linear":
         return theta, (float(params["factor"]),)
+    if kind == "yarn":
+        return theta, _yarn_numbers(params, config, truncate)
     return theta, None
+
+
+def _yarn_numbers(params: dict, config, truncate: bool) -> tuple[float, ...]:
+    """llama_block.YARN's numbers as transformers derives them from a "yarn" RoPE dict: the original
+    context defaults to max_position_embeddings, the factor to their ratio, and the attention
+    factor to 0.1 ln(factor) + 1, or DeepSeek's ratio of two such terms where mscale and
+    mscale_all_dim are both given."""
+    old = float(params.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = params.get("factor")
+    factor = config.max_position_embeddings / old if factor is None else float(factor)
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    numbers = dict(factor=factor, beta_fast=params.get("beta_fast") or 32, beta_slow=params.get("beta_slow") or 1,
+                   original_max_position_embeddings=old, truncate=float(truncate), attention_factor=attention)
+    return tuple(float(numbers[name]) for name in YARN)
 
 
 def _rotary_dim(config, rope: dict) -> int | None:
@@ -312,7 +347,7 @@ class LlamaLayer(nn.Module):
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
         q, k, v = qkv.view(batch * seq, h + 2 * kv, hd).split([h, kv, kv], dim=1)
-        return attend(q, k, v, batch, seq, mask, c.attn_scale, c.attn_softcap, c.keyless_queries)
+        return attend(q, k, v, batch, seq, mask, c.attention_scale(self.index), c.attn_softcap, c.keyless_queries)
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
                 final_norm: torch.Tensor | None = None,

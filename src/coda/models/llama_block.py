@@ -161,17 +161,46 @@ def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...
     of them), scaled as transformers' rope types say: `scaling` [factor] is "linear" (every frequency
     divided by factor: Gemma 3's global layers); [factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings] is "llama3" (long wavelengths slowed by factor, short ones kept,
-    a smooth blend between). The pairs past r (partial rotary) get 0: cos 1, sin 0, not rotated."""
+    a smooth blend between); YARN numbers are "yarn" (`_yarn`; its attention factor is no frequency:
+    LlamaConfig.attention_scale applies it). The pairs past r (partial rotary) get 0: cos 1, sin 0,
+    not rotated."""
     r = head_dim if rotary_dim is None else rotary_dim
-    inv = _scaled(base ** (-torch.arange(0, r, 2, device=device, dtype=torch.float32) / r), scaling)
+    inv = _scaled(base ** (-torch.arange(0, r, 2, device=device, dtype=torch.float32) / r), scaling, base)
     return inv if r == head_dim else torch.cat([inv, inv.new_zeros((head_dim - r) // 2)])
 
 
-def _scaled(inv: torch.Tensor, scaling: list[float] | tuple[float, ...] | None) -> torch.Tensor:
+# YaRN's numbers, in this order, as a RoPE `scaling` (inv_freq); its attention factor scales cos and sin.
+YARN = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate", "attention_factor")
+
+
+def _yarn(inv: torch.Tensor, base: float, factor: float, beta_fast: float, beta_slow: float, old_len: float,
+          truncate: float) -> torch.Tensor:
+    """YaRN's frequencies (transformers' rope_type "yarn"): the pairs that turn more than beta_fast
+    times over the original context old_len keep their frequency, those turning fewer than
+    beta_slow times are divided by factor, and the pairs between blend linearly in the pair index
+    (its bounds rounded outwards where `truncate`)."""
+    dim = 2 * inv.numel()
+
+    def pair(turns: float) -> float:  # the (fractional) pair index whose frequency turns `turns` times over old_len
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair(beta_fast), pair(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv.device) - low) / (high - low)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def _scaled(inv: torch.Tensor, scaling: list[float] | tuple[float, ...] | None, base: float) -> torch.Tensor:
     if scaling is None:
         return inv
     if len(scaling) == 1:
         return inv / scaling[0]
+    if len(scaling) == len(YARN):
+        return _yarn(inv, base, *scaling[:-1])
     factor, low, high, old_len = scaling
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv

@@ -42,6 +42,10 @@ FAMILIES = {
     "ministral": dict(pad_token_id=0, sliding_window=6, layer_types=["full_attention", "sliding_attention"],
                       head_dim=8),
     "smollm3": dict(no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=6, pad_token_id=0),
+    # q scaled by position past 4 (Llama 4's scale): a packed document's positions restart it
+    "ministral3": dict(head_dim=8, pad_token_id=0, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "original_max_position_embeddings": 4,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
     "granite": dict(attention_multiplier=0.3, embedding_multiplier=6.0, residual_multiplier=0.4, logits_scaling=3.0),
     "glm4": dict(head_dim=8, pad_token_id=0),
     "exaone4": dict(head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),

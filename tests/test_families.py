@@ -28,6 +28,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
 CAUSAL_LM = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 CONFIGS = transformers.CONFIG_MAPPING
 
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 16.0, "original_max_position_embeddings": 4,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
 # The tiny models each supported (family, entry point) is checked on below; every supported family
 # must appear here (test_every_causal_lm_family_is_supported_and_tested_or_refused).
 FROM_HF_CASES = {
@@ -66,6 +68,9 @@ FROM_HF_CASES = {
                                    "full_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 8.0}}),
     # Mistral's layer, windowed where layer_types says (layer 1); head_dim apart from hidden_size / heads
     "ministral": dict(sliding_window=4, layer_types=["full_attention", "sliding_attention"], head_dim=16),
+    # Mistral's layer; YaRN (Ministral 3's numbers but a small base and context), and q scaled by
+    # position past that context (Llama 4's scale): positions 4-7 of 8 take 1 + 0.1 ln 2
+    "ministral3": dict(head_dim=16, rope_parameters=MINISTRAL3_ROPE),
     # layer 0 without RoPE (no_rope_layers 0), windowed (a window shorter than the sequence), layer 1
     # rotating with full attention; tied (its default); the default pad id is past VOCAB
     "smollm3": dict(no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=4, pad_token_id=0),
@@ -122,6 +127,7 @@ PATCH_CASES = {
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     "ministral": dict(sliding_window=4, layer_types=["full_attention", "sliding_attention"], head_dim=16),
+    "ministral3": dict(head_dim=16, rope_parameters=MINISTRAL3_ROPE),  # HF's attention: YaRN, q scaled by position
     # Phi-3's fused gate_up_proj; HF's attention: q/k/v biases, interleaved RoPE over half of each head; the
     # default pad id is past VOCAB
     "glm": dict(head_dim=8, pad_token_id=0),

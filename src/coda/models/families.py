@@ -310,11 +310,26 @@ _MOE = {name: ANY for name in ("num_experts_per_tok", "norm_topk_prob", "decoder
                                "router_aux_loss_coef")}
 _MOE_ATTENTION = {"attention_bias": _attention_only(ANY), "qkv_bias": _attention_only(ANY), **_WINDOWS}
 
+
+def _ministral3_rope_ok(rope: Any) -> bool:
+    """Ministral 3's RoPE dict: one coda computes, with Llama 4's query scale by position in it
+    (llama_4_scaling_beta over original_max_position_embeddings: LlamaConfig.query_scale)."""
+    if not isinstance(rope, Mapping) or not isinstance(rope.get("llama_4_scaling_beta"), (int, float)) \
+            or not isinstance(rope.get("original_max_position_embeddings"), (int, float)):
+        return False
+    return _rope_ok({k: v for k, v in rope.items() if k != "llama_4_scaling_beta"})
+
+
+# Ministral 3: Mistral's layer; after RoPE its attention scales q by position, as Llama 4's
+_MINISTRAL3_ROPE = Rule(_ministral3_rope_ok, "a RoPE of ROPE's with llama_4_scaling_beta and "
+                        "original_max_position_embeddings (Llama 4's query scale)", frozenset({FROM_HF}))
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, _MISTRAL),
     # Ministral: Mistral's layer, its window on the layers `layer_types` names
     Family("ministral", BOTH, {**_MISTRAL, "layer_types": _attention_only(LAYER_TYPES)}),
+    Family("ministral3", BOTH, {**_MISTRAL, "rope_parameters": _MINISTRAL3_ROPE, "rope_scaling": _MINISTRAL3_ROPE}),
     Family("qwen2", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, **_WINDOWS}, qkv_bias=True),
     # Qwen3's attention_bias adds biases to q/k/v and to o_proj, which coda's block does not compute.
     Family("qwen3", BOTH, {**SHAPE, **ATTENTION, "hidden_act": SILU, "attention_bias": _attention_only(NO_BIAS),

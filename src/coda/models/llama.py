@@ -89,6 +89,9 @@ class LlamaConfig:
     embedding_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Ministral 3's (Llama 4's) query scale by position, (beta, context): after RoPE, q times
+    # 1 + beta ln(1 + floor(pos / context)), rounded to q's dtype as transformers does; None: none.
+    query_scale: tuple[float, float] | None = None
     # What a query that sees no key (a left pad) outputs: "zeros" (transformers' SDPA, flash and flex
     # attention) or "mean", every value of its row averaged (transformers' eager attention: attention.py)
     keyless_queries: str = "zeros"
@@ -241,7 +244,9 @@ class LlamaConfig:
                    attention_multiplier=_number(config, "attention_multiplier"),
                    embedding_multiplier=_number(config, "embedding_multiplier"),
                    residual_multiplier=_number(config, "residual_multiplier", 1.0),
-                   logits_scaling=_number(config, "logits_scaling", 1.0))
+                   logits_scaling=_number(config, "logits_scaling", 1.0),
+                   query_scale=None if rope.get("llama_4_scaling_beta") is None else (
+                       float(rope["llama_4_scaling_beta"]), float(rope["original_max_position_embeddings"])))
 
 
 def _rope(params: dict, default_theta: float, config, truncate: bool) -> tuple[float, tuple[float, ...] | None]:
@@ -343,20 +348,24 @@ class LlamaLayer(nn.Module):
         self.next_b_qkv = None if last or not c.qkv_bias else nn.Parameter(torch.zeros(_qkv_rows(c), **factory))
         self.next_q_norm, self.next_k_norm = (None, None) if last else _qk_norms(c, **factory)
 
-    def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None) -> torch.Tensor:
+    def _attention(self, qkv: torch.Tensor, batch: int, seq: int, mask: AttentionMask | None,
+                   q_scale: torch.Tensor | None) -> torch.Tensor:
         c, hd = self.config, self.config.dim_per_head
         h, kv = c.num_attention_heads, c.num_key_value_heads
         q, k, v = qkv.view(batch * seq, h + 2 * kv, hd).split([h, kv, kv], dim=1)
+        if q_scale is not None:
+            q = q * q_scale[:, None, None]
         return attend(q, k, v, batch, seq, mask, c.attention_scale(self.index), c.attn_softcap, c.keyless_queries)
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
-                final_norm: torch.Tensor | None = None,
-                mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                final_norm: torch.Tensor | None = None, mask: AttentionMask | None = None,
+                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x_{i+1}, qkv_{i+1}); for the last layer (final norm output, None), `final_norm` being
         the model's norm weight (a root parameter, gathered for the whole step under FSDP2).
-        `mask`: this layer's attention mask (masks.py; None: causal)."""
+        `mask`: this layer's attention mask (masks.py; None: causal); `q_scale`: each token's query
+        scale (LlamaConfig.query_scale; None: 1)."""
         c = self.config
-        attn = self._attention(qkv, batch, seq, mask)
+        attn = self._attention(qkv, batch, seq, mask, q_scale)
         if self.next_w_qkv is None and final_norm is None:
             raise ValueError("the last LlamaLayer needs the model's final norm weight")
         # This layer's norm scales (Gemma's 1 + w made together: LlamaConfig.gains); the next layer's
@@ -666,14 +675,19 @@ class LlamaForCausalLM(nn.Module):
         attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(0)
         g_attn, g_q, g_k = c.gains(attn_norm, q_norm, k_norm)
         qkv = qkv_segment(c, 0, x, pos, g_attn, w_qkv, b_qkv, g_q, g_k)
+        q_scale = None
+        # Past the scale's context only: default positions reach seq - 1, where every scale is 1
+        if c.query_scale is not None and (position_ids is not None or seq > c.query_scale[1]):
+            beta, context = c.query_scale
+            q_scale = (1 + beta * torch.log(1 + torch.floor(pos / context))).to(x.dtype)
         for i, layer in enumerate(self.layers):
             mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its
             # parameters for the forward and again for the recomputation in backward.
             if self.checkpoint and self.training and torch.is_grad_enabled():
-                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, mask, use_reentrant=False)
+                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, mask, q_scale, use_reentrant=False)
             else:
-                x, qkv = layer(x, qkv, pos, batch, seq, self.norm, mask)
+                x, qkv = layer(x, qkv, pos, batch, seq, self.norm, mask, q_scale)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if labels is None:
             logits = F.linear(x, head).view(batch, seq, -1)

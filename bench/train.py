@@ -131,6 +131,16 @@ MODELS = {
         attention_bias=True, pad_token_id=151329,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
         tiny=dict(_TINY, pad_token_id=0)),
+    # YaRN and Llama 4's query scale by position (1 below 16384 tokens); Liger has no kernels for it
+    "ministral3-3b": Family("Ministral3Config", "Ministral3ForCausalLM", dict(
+        hidden_size=3072, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=131072, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                         "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+        tiny=dict(_TINY, rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                          "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "llama_4_scaling_beta": 0.1})),
     # coda.patch only (HF's router and experts kept: 128, top 8); 30B: time it with --layers (e.g. 4)
     "qwen3-30b-a3b": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

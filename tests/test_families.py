@@ -179,8 +179,8 @@ def default_config(model_type: str) -> object:
         return types.SimpleNamespace(model_type=CONFIGS[model_type].model_type)
 
 
-def hf_model(model_type: str, **kw: object) -> torch.nn.Module:
-    torch.manual_seed(0)
+def hf_model(model_type: str, seed: int = 0, **kw: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
     config = CONFIGS[model_type](**SHAPE, **kw)
     # MoE experts as HF's loop over experts: its default grouped GEMM takes no fp64 (the reference run)
     experts = dict(experts_implementation="eager") if hasattr(config, "num_experts_per_tok") else {}

@@ -22,26 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import coda  # noqa: E402
 import coda.models.llama as coda_llama  # noqa: E402
-from conftest import DEVICE, attention, rel  # noqa: E402
-from test_families import CONFIGS, FROM_HF_CASES, SHAPE, run  # noqa: E402
-import transformers  # noqa: E402
-
-
-def tiny(model_type: str, seed: int) -> torch.nn.Module:
-    """test_families.hf_model with a weight seed."""
-    torch.manual_seed(seed)
-    config = CONFIGS[model_type](**SHAPE, **FROM_HF_CASES[model_type])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
-    model = model.to(device=DEVICE, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
+from conftest import DEVICE, rel  # noqa: E402
+from test_families import FROM_HF_CASES, hf_model, run  # noqa: E402
 
 
 def case(model_type: str, seed: int) -> dict:
-    hf32 = tiny(model_type, seed)
+    hf32 = hf_model(model_type, seed, **FROM_HF_CASES[model_type])
     hf32.to(torch.bfloat16).float()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     (_, ref), (_, hf) = run(hf32), run(hf16)

@@ -152,6 +152,11 @@ PATCH_CASES = {
     # QK-norm; layer 0 dense, layer 1 sparse, top-k weights renormalized
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
                       norm_topk_prob=True, output_router_logits=True),
+    # every layer sparse (HF's experts: a clamped SwiGLU with biases), HF's attention (sinks, biases, its
+    # RoPE over half-head cos and sin, YaRN), layer 0 windowed
+    "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
+                    router_aux_loss_coef=0.1, initializer_range=0.2),
     # Llama's layer with q/k/v biases and RoPE over interleaved pairs (2i, 2i + 1) of the whole head
     "helium": dict(head_dim=8, attention_bias=True, pad_token_id=0),
     # Llama's layer with RoPE over interleaved pairs (rotated in fp32 by HF), tied (its default)
@@ -567,7 +572,7 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_patch_keeps_hf_moe_blocks_and_their_loss(model_type: str) -> None:
     """In a sparse layer coda.patch runs both norms alone and leaves the router and experts HF's (a dense
     layer's MLP is coda's); the output carries HF's load-balancing loss and router logits, the loss

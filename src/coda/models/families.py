@@ -324,6 +324,12 @@ def _ministral3_rope_ok(rope: Any) -> bool:
 _MINISTRAL3_ROPE = Rule(_ministral3_rope_ok, "a RoPE of ROPE's with llama_4_scaling_beta and "
                         "original_max_position_embeddings (Llama 4's query scale)", frozenset({FROM_HF}))
 
+# gpt-oss, through coda.patch only: every layer a router over experts whose clamped SwiGLU
+# (swiglu_alpha, swiglu_limit) is HF's, as are the attention (sinks, q/k/v/o biases, windows) and its RoPE
+# (cos and sin over half a head: patch's probe leaves it HF's); hidden_act names no MLP the model runs.
+_GPT_OSS = {**SHAPE, **ATTENTION, **_MOE, **_MOE_ATTENTION, "hidden_act": ANY,
+            "swiglu_alpha": ANY, "swiglu_limit": ANY}
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, _MISTRAL),
@@ -351,6 +357,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("exaone4", BOTH, _EXAONE4, norms=POST_NORMS, qk_norm=True, rotary_layers=_exaone4_rotary_layers),
     Family("mixtral", frozenset({PATCH}), {**_MISTRAL, **_MOE}, moe=True),
     Family("qwen2_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE}, moe=True),
+    Family("gpt_oss", frozenset({PATCH}), _GPT_OSS, moe=True),
     Family("qwen3_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE},
            qk_norm=True, moe=True),
 )}

@@ -11,7 +11,7 @@ Models (transformers classes at the published shapes, random init):
   olmo2-1b     D=2048, FFN=8192, 16 layers, 16 heads of 128, V=100352, untied; post-norms, whole-width
                q/k norms (OLMo-2-0425-1B's shape)
 Variants, each in its own process (patching libraries change classes globally):
-  hf_eager      the transformers model (SDPA attention)
+  hf_eager      the transformers model (SDPA attention; eager where the model has no SDPA path: gpt-oss)
   hf_liger      Liger-Kernel's instance patching for the model's family
   coda          coda's model of the same weights (coda.models.from_hf)
   coda_compile  torch.compile(fullgraph=True) of it
@@ -141,6 +141,15 @@ MODELS = {
         tiny=dict(_TINY, rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
                                           "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0,
                                           "llama_4_scaling_beta": 0.1})),
+    # coda.patch only (HF's experts, router, attention with sinks, and RoPE kept: 32 experts, top 4); time
+    # it with --layers (e.g. 8)
+    "gpt-oss-20b": Family("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, vocab_size=201088, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+        tiny=dict(_TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
     # coda.patch only (HF's router and experts kept: 128, top 8); 30B: time it with --layers (e.g. 4)
     "qwen3-30b-a3b": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -181,12 +190,14 @@ def hf_model(family: Family, device: str, seed: int, tiny: bool, layers: int):
 
     torch.manual_seed(seed)
     cfg = getattr(transformers, family.config_class)(**family.shape(tiny, layers))
-    cfg._attn_implementation = "sdpa"
+    # SDPA where the model class has it (gpt-oss's sinks have none: eager, transformers' default for it)
+    model_class = getattr(transformers, family.model_class)
+    cfg._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     # Training builds no KV cache; with one (the config's default) transformers skips its per-document
     # masking of packed rows and attends across documents.
     cfg.use_cache = False
     with torch.device(device):
-        hf = getattr(transformers, family.model_class)(cfg)
+        hf = model_class(cfg)
     freqs = {name: buf.clone() for name, buf in hf.named_buffers() if name.endswith("inv_freq")}
     hf = hf.to(torch.bfloat16)
     for name, buf in freqs.items():

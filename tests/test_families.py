@@ -154,6 +154,9 @@ PATCH_CASES = {
                       norm_topk_prob=True, output_router_logits=True),
     # every layer sparse (HF's experts: a clamped SwiGLU with biases), HF's attention (sinks, biases, its
     # RoPE over half-head cos and sin, YaRN), layer 0 windowed
+    # every layer sparse, whole-width q/k norms (coda's row passes), HF's q/k/v clipping
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
+                  clip_qkv=0.5),
     "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                     layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
                     router_aux_loss_coef=0.1, initializer_range=0.2),
@@ -572,7 +575,7 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe"])
 def test_patch_keeps_hf_moe_blocks_and_their_loss(model_type: str) -> None:
     """In a sparse layer coda.patch runs both norms alone and leaves the router and experts HF's (a dense
     layer's MLP is coda's); the output carries HF's load-balancing loss and router logits, the loss

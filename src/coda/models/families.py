@@ -358,6 +358,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", frozenset({PATCH}), {**_MISTRAL, **_MOE}, moe=True),
     Family("qwen2_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE}, moe=True),
     Family("gpt_oss", frozenset({PATCH}), _GPT_OSS, moe=True),
+    # OLMoE: Llama's pre-norm layer with OLMo 2's whole-width q/k norms, every layer sparse (experts HF's)
+    Family("olmoe", frozenset({PATCH}), {**SHAPE, **ATTENTION, **_MOE, "hidden_act": ANY,
+                                         "attention_bias": _attention_only(ANY), "clip_qkv": _attention_only(ANY)},
+           qk_norm=True, moe=True),
     Family("qwen3_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE},
            qk_norm=True, moe=True),
 )}

@@ -358,6 +358,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", frozenset({PATCH}), {**_MISTRAL, **_MOE}, moe=True),
     Family("qwen2_moe", frozenset({PATCH}), {**SHAPE, **ATTENTION, "hidden_act": SILU, **_MOE_ATTENTION, **_MOE}, moe=True),
     Family("gpt_oss", frozenset({PATCH}), _GPT_OSS, moe=True),
+    # GraniteMoE: Granite's layer (its multipliers in HF's embedding, residual adds and attention; the
+    # logits' in coda's LM head), every layer sparse (block_sparse_moe: router and experts HF's)
+    Family("granitemoe", frozenset({PATCH}), {**_GRANITE, **_MOE, "hidden_act": ANY}, moe=True),
     # OLMoE: Llama's pre-norm layer with OLMo 2's whole-width q/k norms, every layer sparse (experts HF's)
     Family("olmoe", frozenset({PATCH}), {**SHAPE, **ATTENTION, **_MOE, "hidden_act": ANY,
                                          "attention_bias": _attention_only(ANY), "clip_qkv": _attention_only(ANY)},

@@ -1,6 +1,6 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Ministral 3, Qwen2, Qwen3,
 Gemma 1, 2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4, EXAONE 4, Helium, Ernie 4.5,
-Seed-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) through coda's ops.
+Seed-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, gpt-oss) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -329,8 +329,9 @@ def patch(model: nn.Module) -> nn.Module:
             swapped += [f"model.layers.{i}.{name} -> coda.ops.rmsnorm"]
         if family.qk_norm:
             swapped += _patch_qk_norms(i, layer, gemma)
-        norm, mlp = getattr(layer, mlp_norm), layer.mlp
-        if not hasattr(mlp, "down_proj"):  # a sparse MoE block (its router and experts stay HF's): the norm alone
+        # a sparse MoE block (its router and experts stay HF's; GraniteMoE's block_sparse_moe): the norm alone
+        norm, mlp = getattr(layer, mlp_norm), getattr(layer, "mlp", None)
+        if not hasattr(mlp, "down_proj"):
             norm._coda_unit_offset = gemma
             norm.forward = types.MethodType(_norm, norm)
             swapped += [f"model.layers.{i}.{mlp_norm} -> coda.ops.rmsnorm"]

@@ -154,6 +154,11 @@ PATCH_CASES = {
                       norm_topk_prob=True, output_router_logits=True),
     # every layer sparse (HF's experts: a clamped SwiGLU with biases), HF's attention (sinks, biases, its
     # RoPE over half-head cos and sin, YaRN), layer 0 windowed
+    # multi-head latent attention (HF's, with coda's RoPE over its rotated part), layer 0 dense (coda's MLP),
+    # layer 1 HF's MoE block with grouped routing and a shared expert
+    "deepseek_v3": dict(q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        moe_intermediate_size=16, n_shared_experts=1, rope_interleave=False),
     # Granite's multipliers, every layer sparse (block_sparse_moe)
     # (the router's loss: test_patch_keeps_hf_moe_blocks_and_their_loss; transformers 5.17's GraniteMoE fails on it)
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1, attention_multiplier=0.3,
@@ -316,6 +321,15 @@ def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     assert_like_hf(hf, run(model))
 
 
+@pytest.mark.slow
+def test_patch_keeps_deepseek_v3_interleaved_rope() -> None:
+    """DeepSeek-V3 as its released checkpoints are converted (rope_interleave): the attention calls HF's
+    interleaved rotation, which patch leaves HF's, and the model still matches HF."""
+    hf = hf_model("deepseek_v3", **{**PATCH_CASES["deepseek_v3"], "rope_interleave": True})
+    model = coda.patch(copy.deepcopy(hf))
+    assert_like_hf(hf, run(model))
+
+
 # One family per way coda.patch meets positions and masks: Llama's layer, Phi-3's fused projections and
 # partial rotary, Gemma 3's sandwich layer with per-type RoPE and windows, OLMo 2's layer patch, SmolLM3's
 # and EXAONE 4's layers without RoPE, GLM-4's RoPE kept HF's, and the MoE routers' loss over a mask.
@@ -390,7 +404,7 @@ def test_patch_refuses_fields_that_change_what_it_rewrites(model_type: str, kw: 
         coda.patch(Shell(CONFIGS[model_type](**SHAPE, **kw)))
 
 
-@pytest.mark.parametrize("model_type", ["starcoder2", "cohere", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["starcoder2", "cohere", "deepseek_v2"])
 def test_families_computed_differently_are_refused_by_name(model_type: str) -> None:
     config = default_config(model_type)
     for convert, error in ((coda.models.from_hf, ValueError), (coda.patch, TypeError)):

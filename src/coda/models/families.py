@@ -330,6 +330,13 @@ _MINISTRAL3_ROPE = Rule(_ministral3_rope_ok, "a RoPE of ROPE's with llama_4_scal
 _GPT_OSS = {**SHAPE, **ATTENTION, **_MOE, **_MOE_ATTENTION, "hidden_act": ANY,
             "swiglu_alpha": ANY, "swiglu_limit": ANY}
 
+_DEEPSEEK_V3 = {**SHAPE, **ATTENTION, **_MOE, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
+                "pretraining_tp": Rule(lambda v: v in (None, 1), "1"),
+                **{name: ANY for name in ("n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
+                                          "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
+                                          "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
+                                          "num_nextn_predict_layers")}}
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
     Family("mistral", BOTH, _MISTRAL),
@@ -361,6 +368,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # GraniteMoE: Granite's layer (its multipliers in HF's embedding, residual adds and attention; the
     # logits' in coda's LM head), every layer sparse (block_sparse_moe: router and experts HF's)
     Family("granitemoe", frozenset({PATCH}), {**_GRANITE, **_MOE, "hidden_act": ANY}, moe=True),
+    # DeepSeek-V3: Llama's pre-norm layer names around HF's multi-head latent attention (its own latent
+    # norms, RoPE over part of each head) and, from first_k_dense_replace on, HF's MoE block (grouped
+    # routing, shared experts); the dense layers' MLP is coda's. Its causal LM adds no router loss.
+    Family("deepseek_v3", frozenset({PATCH}), _DEEPSEEK_V3),
     # OLMoE: Llama's pre-norm layer with OLMo 2's whole-width q/k norms, every layer sparse (experts HF's)
     Family("olmoe", frozenset({PATCH}), {**SHAPE, **ATTENTION, **_MOE, "hidden_act": ANY,
                                          "attention_bias": _attention_only(ANY), "clip_qkv": _attention_only(ANY)},

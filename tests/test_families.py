@@ -247,8 +247,9 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # Families whose every mechanism another family's case exercises in the quick subset run in the full
 # suite only: Helium's, Ernie 4.5's and GLM's interleaved RoPE and biases (GLM-4's case), Seed-OSS's
 # q/k/v biases (Qwen2's), Ministral's per-layer windows (Qwen2's, Gemma 3's), OLMo 3's layer (OLMo 2's)
-# with per-type RoPE (Gemma 3's), Qwen2-MoE's sparse layers (Qwen3-MoE's and Mixtral's).
-COVERED = {"helium", "ernie4_5", "glm", "seed_oss", "ministral", "olmo3", "qwen2_moe"}
+# with per-type RoPE (Gemma 3's), Qwen2-MoE's sparse layers (Qwen3-MoE's and Mixtral's), OLMoE's (the same,
+# with OLMo 2's q/k norms), gpt-oss's (the same, with GLM-4's RoPE left HF's).
+COVERED = {"helium", "ernie4_5", "glm", "seed_oss", "ministral", "olmo3", "qwen2_moe", "olmoe", "gpt_oss"}
 
 
 def quick_or_slow(model_types: object) -> list:

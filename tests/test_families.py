@@ -267,8 +267,10 @@ def test_every_causal_lm_family_is_supported_and_tested_or_refused(entry: str) -
         config = default_config(model_type)
         if config.model_type in tested:
             continue  # built and compared with transformers below
-        with pytest.raises(error, match=f"model_type {config.model_type!r} is not supported"):
+        with pytest.raises(error, match=f"model_type {config.model_type!r} is not supported") as info:
             convert(Shell(config))
+        # from_hf names the entry point that takes a patch-only family
+        assert ("coda.patch takes it" in str(info.value)) == (entry == FROM_HF and config.model_type in PATCH_CASES)
         refused += 1
     assert refused > 100  # the mapping was read: transformers has well over a hundred such families
 

@@ -415,7 +415,9 @@ def problems(config: Any, entry: str) -> list[str]:
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None or entry not in family.entries:
-        return [f"model_type {model_type!r} is not supported (supported: {', '.join(supported(entry))})"]
+        # (a family the other entry point takes: only coda.patch, which keeps HF's attention and MoE blocks)
+        other = "; coda.patch takes it" if family is not None else ""
+        return [f"model_type {model_type!r} is not supported (supported: {', '.join(supported(entry))}){other}"]
     found = []
     for name, value in config.to_dict().items():
         if name in IRRELEVANT:

@@ -152,8 +152,6 @@ PATCH_CASES = {
     # QK-norm; layer 0 dense, layer 1 sparse, top-k weights renormalized
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
                       norm_topk_prob=True, output_router_logits=True),
-    # every layer sparse (HF's experts: a clamped SwiGLU with biases), HF's attention (sinks, biases, its
-    # RoPE over half-head cos and sin, YaRN), layer 0 windowed
     # multi-head latent attention (HF's, with coda's RoPE over its rotated part), layer 0 dense (coda's MLP),
     # layer 1 HF's MoE block with grouped routing and a shared expert
     "deepseek_v3": dict(q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
@@ -166,6 +164,8 @@ PATCH_CASES = {
     # every layer sparse, whole-width q/k norms (coda's row passes), HF's q/k/v clipping
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
                   clip_qkv=0.5),
+    # every layer sparse (HF's experts: a clamped SwiGLU with biases), HF's attention (sinks, biases, its
+    # RoPE over half-head cos and sin, YaRN), layer 0 windowed
     "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                     layer_types=["sliding_attention", "full_attention"], output_router_logits=True,
                     router_aux_loss_coef=0.1, initializer_range=0.2),

@@ -184,10 +184,11 @@ class Family:
         return self.qkv_bias
 
 
+# transformers 4.x splits the projections into `pretraining_tp` slices; coda handles none.
+ONE_TP_SLICE = Rule(lambda v: v in (None, 1), "1")
 _LLAMA = {**SHAPE, **ATTENTION, "hidden_act": SILU, "mlp_bias": NO_BIAS,
           "attention_bias": _attention_only(NO_BIAS),
-          # transformers 4.x splits the projections into `pretraining_tp` slices; coda handles none.
-          "pretraining_tp": Rule(lambda v: v in (None, 1), "1")}
+          "pretraining_tp": ONE_TP_SLICE}
 _MISTRAL = {**SHAPE, **ATTENTION, "hidden_act": SILU, "sliding_window": ANY}
 # Sliding windows, per layer: masks.py; Qwen2's q/k/v biases: Family.qkv_bias; Qwen3's QK-norm:
 # Family.qk_norm (coda.patch keeps HF's attention, which computes it).
@@ -331,7 +332,7 @@ _GPT_OSS = {**SHAPE, **ATTENTION, **_MOE, **_MOE_ATTENTION, "hidden_act": ANY,
             "swiglu_alpha": ANY, "swiglu_limit": ANY}
 
 _DEEPSEEK_V3 = {**SHAPE, **ATTENTION, **_MOE, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
-                "pretraining_tp": Rule(lambda v: v in (None, 1), "1"),
+                "pretraining_tp": ONE_TP_SLICE,
                 **{name: ANY for name in ("n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
                                           "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
                                           "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",

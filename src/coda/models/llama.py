@@ -31,7 +31,7 @@ from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, 
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
 from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, supported
-from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, rope_freq_table
+from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build_all, documents, padding
 from .qkv_projection import qk_norm_qkv, whole_qk_norm_qkv
@@ -117,7 +117,7 @@ class LlamaConfig:
         hd = self.dim_per_head
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= hd and self.rotary_dim % 2 == 0):
             raise ValueError(f"LlamaConfig: rotary_dim={self.rotary_dim} must be even, in (0, head_dim={hd}]")
-        yarn = [s for s in (self.rope_scaling, self.local_rope and self.local_rope[1]) if s and len(s) == len(YARN)]
+        yarn = is_yarn(self.rope_scaling) or (self.local_rope is not None and is_yarn(self.local_rope[1]))
         if yarn and self.rotary_dim not in (None, hd):
             raise ValueError("LlamaConfig: YaRN with a partial rotary_dim: its attention factor would scale the "
                              "rotated dims alone, which no softmax scale computes")
@@ -154,7 +154,7 @@ class LlamaConfig:
         if scale is None:
             scale = (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
         _, scaling = self.rope(layer)
-        return scale * scaling[-1] ** 2 if scaling is not None and len(scaling) == len(YARN) else scale
+        return scale * scaling[-1] ** 2 if is_yarn(scaling) else scale
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full causal attention)."""

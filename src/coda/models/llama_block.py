@@ -173,6 +173,11 @@ def inv_freq(head_dim: int, base: float, scaling: list[float] | tuple[float, ...
 YARN = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate", "attention_factor")
 
 
+def is_yarn(scaling: list[float] | tuple[float, ...] | None) -> bool:
+    """Whether a RoPE `scaling` is YaRN's numbers (their count tells the rope types apart)."""
+    return scaling is not None and len(scaling) == len(YARN)
+
+
 def _yarn(inv: torch.Tensor, base: float, factor: float, beta_fast: float, beta_slow: float, old_len: float,
           truncate: float) -> torch.Tensor:
     """YaRN's frequencies (transformers' rope_type "yarn"): the pairs that turn more than beta_fast
@@ -199,7 +204,7 @@ def _scaled(inv: torch.Tensor, scaling: list[float] | tuple[float, ...] | None, 
         return inv
     if len(scaling) == 1:
         return inv / scaling[0]
-    if len(scaling) == len(YARN):
+    if is_yarn(scaling):
         return _yarn(inv, base, *scaling[:-1])
     factor, low, high, old_len = scaling
     low_wavelen, high_wavelen = old_len / low, old_len / high

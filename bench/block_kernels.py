@@ -19,6 +19,7 @@ block: sol_graph (the 12 bare cuBLAS GEMMs back to back in one CUDA graph; the m
        its time in any fresh process, for a reason not found (docs/HISTORY.md, "The block over time").
 
     python bench/block_kernels.py --out DIR [--d 2048,4096] [--sweep] [--no-peers]
+    python bench/block_kernels.py --out DIR --d 2048 --ffn 11008 --heads 16,4 --no-block   (another model's GEMMs)
     python bench/block_kernels.py --merge DIR/block_kernels.json --out bench/results
 """
 
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-d", default=None, help="widths to sweep (default: every --d)")
+    ap.add_argument("--ffn", type=int, help="kernel rows at this FFN width instead of the width's own (e.g. 11008)")
+    ap.add_argument("--heads", default="32,8", help="query heads,kv heads of the kernel rows (e.g. 16,4)")
     ap.add_argument("--no-block", action="store_true", help="kernel rows only, no block rows")
     ap.add_argument("--block-only", type=int, choices=sorted(WIDTHS), metavar="D",
                     help="width D's block rows only, into <out>/block_dD.json (what the full run starts once per width)")
@@ -305,7 +308,8 @@ def main() -> None:
         def save_rows(rows, swept, _rows=list(data["rows"]), _swept=list(data["sweep"])):
             data["rows"], data["sweep"] = _rows + rows, _swept + swept
             save()
-        kernel_rows(d, WIDTHS[d], args.m, args.sweep and d in sweep_d, save_rows)
+        heads, kv = map(int, args.heads.split(","))
+        kernel_rows(d, args.ffn or WIDTHS[d], args.m, args.sweep and d in sweep_d, save_rows, heads, kv)
     for d in ([] if args.no_block else map(int, args.d.split(","))):
         data["block"] += fresh_block_rows(d, args.m, not args.no_peers, t0 + args.budget - time.time(), args.out)
         save()

@@ -210,15 +210,16 @@ def hf_model(model_type: str, seed: int = 0, **kw: object) -> torch.nn.Module:
     return model
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    return token_batch(VOCAB, SEQ)
+def batch(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    return token_batch(VOCAB, seq)
 
 
 
-def run(model: torch.nn.Module, grads: Callable[[torch.nn.Module], dict] | None = None, **inputs: torch.Tensor) -> tuple:
-    """(loss, {name: gradient}) in fp64 of one training step on `batch()` (and `inputs`: a mask,
+def run(model: torch.nn.Module, grads: Callable[[torch.nn.Module], dict] | None = None, *, seq: int = SEQ,
+        **inputs: torch.Tensor) -> tuple:
+    """(loss, {name: gradient}) in fp64 of one training step on `batch(seq)` (and `inputs`: a mask,
     positions); HF's names."""
-    ids, labels = batch()
+    ids, labels = batch(seq)
     out = model(ids, labels=labels, **inputs) if isinstance(model, coda.models.LlamaForCausalLM) else \
         model(input_ids=ids, labels=labels, **inputs)
     out.loss.backward()

@@ -8,6 +8,7 @@ away from its initial value."""
 from __future__ import annotations
 
 import copy
+import re
 import types
 import warnings
 from collections.abc import Callable
@@ -650,17 +651,31 @@ def test_phi3_patch_keeps_hf_dropout() -> None:
         assert rel(grads[name], g) < 1e-5, f"{name}: relative error {rel(grads[name], g):.3g}"
 
 
+def keep_fp32_as_from_pretrained(model: torch.nn.Module) -> torch.nn.Module:
+    """The tensors `from_pretrained(..., dtype=torch.bfloat16)` keeps in fp32 (the class's
+    `_keep_in_fp32_modules` and `_strict` names: gpt-oss's norms, DeepSeek-V3's router), back in fp32."""
+    names = [*(getattr(model, "_keep_in_fp32_modules", None) or ()), *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())]
+    kept = [re.compile(rf"(^|\.){re.escape(n)}(\.|$)") for n in names]
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if any(k.search(name) for k in kept):
+            t.data = t.data.float()
+    return model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "glm4",
-                                        "exaone4"])
+                                        "exaone4", "gpt_oss", "deepseek_v3"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;
-    Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU): against
-    HF in fp32 on the same bf16-rounded weights, the patched bf16 model's loss and gradients are no
-    further off than HF's own bf16 run (the bound of test_qwen2_bf16_error_is_within_hf_bf16_error)."""
+    Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU; gpt-oss's fp32 gains on bf16 activations,
+    as from_pretrained loads them): against HF in fp32 on the same bf16-rounded weights, the patched
+    bf16 model's loss and gradients are no further off than HF's own bf16 run (the bound of
+    test_qwen2_bf16_error_is_within_hf_bf16_error)."""
     hf32 = hf_model(model_type, **PATCH_CASES[model_type])
     hf32.to(torch.bfloat16).float()
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    hf16 = keep_fp32_as_from_pretrained(copy.deepcopy(hf32).to(torch.bfloat16))
+    if model_type == "gpt_oss":
+        assert hf16.model.norm.weight.dtype == torch.float32
     model = coda.patch(copy.deepcopy(hf16))
     (ref_loss, ref), (hf_loss, hf), (loss, ours) = run(hf32), run(hf16), run(model)
     assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)

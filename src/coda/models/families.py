@@ -151,7 +151,7 @@ class Family:
     # q/k/v projections with biases: True always (Qwen2, whatever the config says); a config field's
     # name: where that field is set (GLM's attention_bias, which leaves o_proj without one).
     qkv_bias: bool | str = False
-    qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3)
+    qk_norm: bool = False  # its attention RMS-normalizes each q and k head before RoPE (Qwen3; GLM-4.5 where use_qk_norm)
     gemma_norms: bool = False  # every Gemma: (1 + w) norms, a GeGLU MLP, the embedding scaled by sqrt(hidden_size)
     norms: Norms = LLAMA_NORMS
     fused_qkv: bool = False  # one qkv_proj per layer ([q; k; v] rows: Phi-3)
@@ -331,12 +331,20 @@ _MINISTRAL3_ROPE = Rule(_ministral3_rope_ok, "a RoPE of ROPE's with llama_4_scal
 _GPT_OSS = {**SHAPE, **ATTENTION, **_MOE, **_MOE_ATTENTION, "hidden_act": ANY,
             "swiglu_alpha": ANY, "swiglu_limit": ANY}
 
-_DEEPSEEK_V3 = {**SHAPE, **ATTENTION, **_MOE, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
+# DeepSeek-V3's MoE block (HF's under coda.patch): sigmoid routing over groups of experts, shared experts,
+# dense layers before first_k_dense_replace; the multi-token-prediction layers are not built (nor loaded).
+_GROUPED_MOE = {**_MOE, **{name: ANY for name in ("n_shared_experts", "n_routed_experts", "routed_scaling_factor",
+                                                  "n_group", "topk_group", "first_k_dense_replace",
+                                                  "num_nextn_predict_layers")}}
+_DEEPSEEK_V3 = {**SHAPE, **ATTENTION, **_GROUPED_MOE, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
                 "pretraining_tp": ONE_TP_SLICE,
-                **{name: ANY for name in ("n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
-                                          "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
-                                          "n_group", "topk_group", "first_k_dense_replace", "rope_interleave",
-                                          "num_nextn_predict_layers")}}
+                **{name: ANY for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                                          "qk_nope_head_dim", "qk_head_dim", "rope_interleave")}}
+# GLM-4.5 (glm4_moe): Llama's pre-norm layer around HF's attention (q/k/v biases, per-head q/k norms where
+# use_qk_norm, RoPE over the first partial_rotary_factor of each head's halves) and DeepSeek-V3's MoE block.
+_GLM4_MOE = {**SHAPE, **ATTENTION, **_GROUPED_MOE, "hidden_act": SILU, "attention_bias": _attention_only(ANY),
+             "use_qk_norm": ANY, "rope_parameters": PARTIAL_ROPE, "rope_scaling": PARTIAL_ROPE,
+             "partial_rotary_factor": PARTIAL_FRACTION}
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", BOTH, _LLAMA),
@@ -373,6 +381,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # norms, RoPE over part of each head) and, from first_k_dense_replace on, HF's MoE block (grouped
     # routing, shared experts); the dense layers' MLP is coda's. Its causal LM adds no router loss.
     Family("deepseek_v3", frozenset({PATCH}), _DEEPSEEK_V3),
+    Family("glm4_moe", frozenset({PATCH}), _GLM4_MOE, qk_norm=True),
     # OLMoE: Llama's pre-norm layer with OLMo 2's whole-width q/k norms, every layer sparse (experts HF's)
     Family("olmoe", frozenset({PATCH}), {**SHAPE, **ATTENTION, **_MOE, "hidden_act": ANY,
                                          "attention_bias": _attention_only(ANY), "clip_qkv": _attention_only(ANY)},

@@ -1,6 +1,6 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Ministral 3, Qwen2, Qwen3,
 Gemma 1, 2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4, EXAONE 4, Helium, Ernie 4.5,
-Seed-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, DeepSeek-V3, gpt-oss) through coda's ops.
+Seed-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, DeepSeek-V3, GLM-4.5, gpt-oss) through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the
@@ -46,6 +46,7 @@ alone; the causal LM's forward adds the routers' load-balancing loss with HF's o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -134,10 +135,13 @@ def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
 def _patch_qk_norms(i: int, layer: nn.Module, gemma: bool) -> list[str]:
     """The attention's q and k norms (Qwen3's and Gemma 3's per head, OLMo 2's whole-width), each one
     row pass forward and backward instead of HF's eager chain of elementwise kernels; the rest of
-    HF's attention (projections, RoPE, the attention call) is unchanged."""
+    HF's attention (projections, RoPE, the attention call) is unchanged. An attention without them
+    (GLM-4.5's without use_qk_norm) computes none."""
     swapped = []
     for name in ("q_norm", "k_norm"):
-        norm = getattr(layer.self_attn, name)
+        norm = getattr(layer.self_attn, name, None)
+        if norm is None:
+            continue
         norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_norm, norm)
         swapped.append(f"model.layers.{i}.self_attn.{name} -> coda.ops.rmsnorm")
@@ -278,8 +282,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             if loss is not None:
                 loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, **rest)
-        return out if return_dict is not False else out.to_tuple()
-    out = CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
+    elif "router_logits" in {f.name for f in dataclasses.fields(outputs)}:
+        # a router whose logits HF's causal LM passes on without a loss (DeepSeek-V3 in transformers 5.2x)
+        out = MoeCausalLMOutputWithPast(loss=loss, logits=logits, **rest)
+    else:
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **rest)
     return out if return_dict is not False else out.to_tuple()
 
 

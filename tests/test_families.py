@@ -234,14 +234,46 @@ def run(model: torch.nn.Module, grads: Callable[[torch.nn.Module], dict] | None 
 def assert_like_hf(hf: torch.nn.Module, ours: tuple, **inputs: torch.Tensor) -> None:
     """`ours` (loss, gradients) against transformers' fp32 run, measured from its fp64 run: within
     1e-5 (relative), or where HF's own fp32 gradient is further than 0.5e-5 from fp64 (attention
-    gradients through large q/k biases are that ill-conditioned), within twice HF's own error."""
+    gradients through large q/k biases are that ill-conditioned), within twice HF's own error. A
+    bias's gradient is a sum over tokens that can cancel to near nothing (a k bias's whole part
+    outside RoPE cancels exactly in softmax): one over both bounds is measured, as a sum's rounding
+    error is, against the sum of its terms' magnitudes (`bias_terms`)."""
     hf32 = run(hf, hf_grads, **inputs)
     hf64 = run(copy.deepcopy(hf).double(), hf_grads, **inputs)
     assert abs(ours[0] - hf32[0]) < 1e-5 * abs(hf32[0])
     assert set(ours[1]) == set(hf64[1])
+    off = {}
     for name, g in hf64[1].items():
         err, hf_err = rel(ours[1][name], g), rel(hf32[1][name], g)
-        assert err < max(1e-5, 2 * hf_err), f"{name}: relative error {err:.3g} (HF fp32's own: {hf_err:.3g})"
+        if err >= max(1e-5, 2 * hf_err):
+            off[name] = f"{name}: relative error {err:.3g} (HF fp32's own: {hf_err:.3g})"
+    assert all(name.endswith(".bias") for name in off), "; ".join(off.values())
+    if off:
+        terms = bias_terms(copy.deepcopy(hf).double(), list(off), **inputs)
+        for name in off:
+            err = (ours[1][name] - hf64[1][name]).norm().item()
+            assert err < 1e-5 * terms[name], f"{off[name]}; {err:.3g} against its terms' {terms[name]:.3g}"
+
+
+def bias_terms(model: torch.nn.Module, names: list[str], **inputs: torch.Tensor) -> dict[str, float]:
+    """For each named bias of an nn.Linear, the norm of the sum over tokens of |the output gradient|:
+    the terms its gradient sums (in the model's fp64 run)."""
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in names:
+        module = model.get_submodule(name.removesuffix(".bias"))
+        assert isinstance(module, torch.nn.Linear), f"{name} is not an nn.Linear's bias"
+
+        def keep(_m, _i, out, name=name):
+            out.retain_grad()
+            outputs[name] = out
+        hooks.append(module.register_forward_hook(keep))
+    try:
+        run(model, hf_grads, **inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: out.grad.abs().reshape(-1, out.shape[-1]).sum(0).norm().item() for name, out in outputs.items()}
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -158,6 +158,11 @@ PATCH_CASES = {
     "deepseek_v3": dict(q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                         moe_intermediate_size=16, n_shared_experts=1, rope_interleave=False),
+    # ERNIE 4.5 MoE: layer 0 dense (coda's MLP), layer 1 HF's router (score correction) over experts plus a
+    # shared expert; the routers' loss; HF's interleaved RoPE
+    "ernie4_5_moe": dict(head_dim=8, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_intermediate_size=16,
+                         moe_layer_start_index=1, moe_layer_end_index=1, output_router_logits=True,
+                         router_aux_loss_coef=0.1),
     # GLM-4.5: HF's attention with q/k/v biases, coda's per-head q/k norms and RoPE over half of each head;
     # layer 0 dense (coda's MLP), layer 1 HF's MoE block as DeepSeek-V3's
     "glm4_moe": dict(head_dim=8, attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
@@ -277,7 +282,8 @@ def bias_terms(model: torch.nn.Module, names: list[str], **inputs: torch.Tensor)
 
 
 def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    sd = {n: p.grad for n, p in model.named_parameters()}
+    """Every trained parameter's gradient (not ERNIE 4.5 MoE's frozen router score correction)."""
+    sd = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])  # tied: one parameter
     return sd
 
@@ -287,8 +293,9 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # q/k/v biases (Qwen2's), Ministral's per-layer windows (Qwen2's, Gemma 3's), OLMo 3's layer (OLMo 2's)
 # with per-type RoPE (Gemma 3's), Qwen2-MoE's sparse layers (Qwen3-MoE's and Mixtral's), OLMoE's (the same,
 # with OLMo 2's q/k norms), gpt-oss's (the same, with GLM-4's RoPE left HF's), GLM-4.5's (DeepSeek-V3's
-# MoE block, Qwen3's q/k norms, Phi-3's partial RoPE).
-COVERED = {"helium", "ernie4_5", "glm", "seed_oss", "ministral", "olmo3", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe"}
+# MoE block, Qwen3's q/k norms, Phi-3's partial RoPE), ERNIE 4.5 MoE's (Qwen2-MoE's, Ernie 4.5's RoPE).
+COVERED = {"helium", "ernie4_5", "glm", "seed_oss", "ministral", "olmo3", "qwen2_moe", "olmoe", "gpt_oss", "glm4_moe",
+           "ernie4_5_moe"}
 
 
 def quick_or_slow(model_types: object) -> list:
@@ -659,7 +666,7 @@ def test_patch_keeps_names_and_generates_hf_tokens(model_type: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "granitemoe", "ernie4_5_moe"])
 def test_patch_keeps_hf_moe_blocks_and_their_loss(model_type: str) -> None:
     """In a sparse layer coda.patch runs both norms alone and leaves the router and experts HF's (a dense
     layer's MLP is coda's); the output carries HF's load-balancing loss and router logits, the loss
@@ -725,7 +732,7 @@ def keep_fp32_as_from_pretrained(model: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "glm4",
-                                        "exaone4", "gpt_oss", "deepseek_v3", "glm4_moe"])
+                                        "exaone4", "gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe"])
 def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     """In bf16 coda's norms round once (Gemma's as HF's, g = 1 + w formed in fp32, and OLMo 2's;
     Phi-3's HF rounds twice, as Llama's; Gemma's GeGLU; gpt-oss's fp32 gains on bf16 activations,

@@ -331,6 +331,12 @@ _MINISTRAL3_ROPE = Rule(_ministral3_rope_ok, "a RoPE of ROPE's with llama_4_scal
 _GPT_OSS = {**SHAPE, **ATTENTION, **_MOE, **_MOE_ATTENTION, "hidden_act": ANY,
             "swiglu_alpha": ANY, "swiglu_limit": ANY}
 
+# ERNIE 4.5 MoE, through coda.patch only: Ernie 4.5's layer (its interleaved RoPE HF's) whose MLP is, on the
+# layers moe_layer_start_index..end_index every moe_layer_interval, HF's router (with its score
+# correction) over experts plus shared experts; the routers' loss as Mixtral's (Family.moe).
+_ERNIE4_5_MOE = {**_ERNIE4_5, **_MOE, **{name: ANY for name in (
+    "moe_k", "moe_num_experts", "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
+    "moe_layer_interval", "moe_norm_min")}}
 # DeepSeek-V3's MoE block (HF's under coda.patch): sigmoid routing over groups of experts, shared experts,
 # dense layers before first_k_dense_replace; the multi-token-prediction layers are not built (nor loaded).
 _GROUPED_MOE = {**_MOE, **{name: ANY for name in ("n_shared_experts", "n_routed_experts", "routed_scaling_factor",
@@ -382,6 +388,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # routing, shared experts); the dense layers' MLP is coda's. Its causal LM adds no router loss.
     Family("deepseek_v3", frozenset({PATCH}), _DEEPSEEK_V3),
     Family("glm4_moe", frozenset({PATCH}), _GLM4_MOE, qk_norm=True),
+    Family("ernie4_5_moe", frozenset({PATCH}), _ERNIE4_5_MOE, moe=True),
     # OLMoE: Llama's pre-norm layer with OLMo 2's whole-width q/k norms, every layer sparse (experts HF's)
     Family("olmoe", frozenset({PATCH}), {**SHAPE, **ATTENTION, **_MOE, "hidden_act": ANY,
                                          "attention_bias": _attention_only(ANY), "clip_qkv": _attention_only(ANY)},

@@ -1,6 +1,7 @@
 """coda.patch: run a transformers decoder model (Llama, Mistral, Ministral, Ministral 3, Qwen2, Qwen3,
 Gemma 1, 2 and 3, Phi-3, OLMo 2 and 3, SmolLM3, Granite, GLM, GLM-4, EXAONE 4, Helium, Ernie 4.5,
-Seed-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, DeepSeek-V3, GLM-4.5, gpt-oss) through coda's ops.
+Seed-OSS, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, DeepSeek-V3, GLM-4.5, ERNIE 4.5 MoE, gpt-oss)
+through coda's ops.
 
 Instance patching, as Liger-Kernel's `_apply_liger_kernel_to_instance`: only the given model's
 modules change (their `forward` is rebound), never transformers' classes, so another model in the

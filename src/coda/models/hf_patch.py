@@ -47,7 +47,6 @@ alone; the causal LM's forward adds the routers' load-balancing loss with HF's o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import sys
@@ -283,7 +282,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             if loss is not None:
                 loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, **rest)
-    elif "router_logits" in {f.name for f in dataclasses.fields(outputs)}:
+    elif hasattr(outputs, "router_logits"):  # (a field of the model's output class, None where not asked)
         # a router whose logits HF's causal LM passes on without a loss (DeepSeek-V3 in transformers 5.2x)
         out = MoeCausalLMOutputWithPast(loss=loss, logits=logits, **rest)
     else:

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 import coda  # noqa: E402
 from coda.models import LlamaForCausalLM  # noqa: E402
 from conftest import DEVICE, attention, rel  # noqa: E402
+from hf_reference import assert_step_like_hf, hf_grads  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -77,32 +78,17 @@ def ids_and_labels(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 
-def grads(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
-    ref = {n: p.grad for n, p in hf.named_parameters()}
-    ref.setdefault("lm_head.weight", ref["model.embed_tokens.weight"])
-    return ref
+def assert_same_step(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, **kw: torch.Tensor) -> None:
+    """Loss and every gradient of one step, coda's model of `hf` against HF, on the same inputs, within
+    the bounds of hf_reference.assert_step_like_hf."""
+    def step(m: torch.nn.Module) -> tuple:
+        coda_model = isinstance(m, LlamaForCausalLM)
+        out = m(ids, labels=labels, **kw) if coda_model else m(input_ids=ids, labels=labels, **kw)
+        out.loss.backward()
+        grads = m.to_hf_state_dict(grads=True) if coda_model else hf_grads(m)
+        return out.loss.detach().double(), {n: g.double() for n, g in grads.items()}
 
-
-def assert_same_step(model: LlamaForCausalLM, hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
-                     **kw: torch.Tensor) -> None:
-    """Loss and every gradient of one step, coda against HF, on the same inputs: within 1e-5 (relative),
-    or, for a gradient HF's own fp32 run has further than that from its fp64 run (q/k gradients through
-    large q/k biases: fp32 attention backward's noise, test_families.assert_like_hf), within twice HF's
-    own error from fp64."""
-    reference = copy.deepcopy(hf).double()
-    ours, theirs = model(ids, labels=labels, **kw), hf(input_ids=ids, labels=labels, **kw)
-    assert abs(ours.loss.item() - theirs.loss.item()) < 1e-5 * abs(theirs.loss.item())
-    ours.loss.backward()
-    theirs.loss.backward()
-    mine, ref = model.to_hf_state_dict(grads=True), grads(hf)
-    assert set(mine) == set(ref)
-    off = [name for name, g in ref.items() if rel(mine[name], g) >= 1e-5]
-    if off:
-        reference(input_ids=ids, labels=labels, **kw).loss.backward()
-        exact = grads(reference)
-        for name in off:
-            err, hf_err = rel(mine[name], exact[name]), rel(ref[name], exact[name])
-            assert err < max(1e-5, 2 * hf_err), f"{name}: relative error {err:.3g} (HF fp32's own: {hf_err:.3g})"
+    assert_step_like_hf(hf, coda.models.from_hf, step)
 
 
 @pytest.mark.parametrize("family", FAMILY_CASES)
@@ -120,7 +106,7 @@ def test_padding_matches_hf(side: str, family: str) -> None:
     # Every row, the left pads' too (no key: zeros under HF's SDPA, every value averaged under its
     # eager attention, Gemma 2's): the shifted loss reads the last pad's, which predicts the first token.
     assert rel(ours, theirs) < 1e-5
-    assert_same_step(model, hf, ids, labels, attention_mask=mask)
+    assert_same_step(hf, ids, labels, attention_mask=mask)
 
 
 @pytest.mark.slow  # whole models against HF (the quick subset keeps test_keyless_mean_is_eager_attention_of_its_rows)
@@ -145,7 +131,7 @@ def test_keyless_queries_follow_hf_eager_attention(family: str, kw: dict, holes:
     with torch.no_grad():
         ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
     assert rel(ours, theirs) < 1e-5
-    assert_same_step(model, hf, ids, labels, attention_mask=mask)
+    assert_same_step(hf, ids, labels, attention_mask=mask)
 
 
 def test_keyless_mean_is_eager_attention_of_its_rows() -> None:
@@ -202,7 +188,7 @@ def test_packed_documents_match_hf_and_each_document_alone(family: str) -> None:
             assert rel(ours[0, start:start + n], alone[0]) < 1e-5, f"document at {start}"
             start += n
         assert rel(ours[1], hf(input_ids=ids[1:]).logits[0]) < 1e-5
-    assert_same_step(model, hf, ids, labels, position_ids=pos)
+    assert_same_step(hf, ids, labels, position_ids=pos)
 
 
 def test_sliding_window_matches_mistral() -> None:
@@ -211,10 +197,8 @@ def test_sliding_window_matches_mistral() -> None:
     assert [model.config.window(i) for i in range(2)] == [5, 5]
     ids, labels = ids_and_labels()
     pos = torch.cat([torch.arange(7), torch.arange(5)])[None].to(DEVICE)  # windows inside packed documents
-    assert_same_step(model, hf, ids, labels)
-    model.zero_grad(set_to_none=True)
-    hf.zero_grad(set_to_none=True)
-    assert_same_step(model, hf, ids, labels, position_ids=pos)
+    assert_same_step(hf, ids, labels)
+    assert_same_step(hf, ids, labels, position_ids=pos)
 
 
 def test_per_layer_windows_match_qwen2_layer_types() -> None:
@@ -224,7 +208,7 @@ def test_per_layer_windows_match_qwen2_layer_types() -> None:
     assert [model.config.window(i) for i in range(2)] == [None, 3]
     ids, labels = ids_and_labels()
     pos = torch.cat([torch.arange(7), torch.arange(5)])[None].to(DEVICE)
-    assert_same_step(model, hf, ids, labels, position_ids=pos)
+    assert_same_step(hf, ids, labels, position_ids=pos)
 
 
 @pytest.mark.slow
@@ -531,4 +515,4 @@ def test_model_over_padded_sequences_matches_hf(monkeypatch: pytest.MonkeyPatch,
     with torch.no_grad():
         ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
     assert rel(ours, theirs) < 1e-5
-    assert_same_step(model, hf, ids, labels, attention_mask=mask)
+    assert_same_step(hf, ids, labels, attention_mask=mask)

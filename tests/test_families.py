@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +24,7 @@ import coda  # noqa: E402
 from coda.models import families  # noqa: E402
 from coda.models.families import FROM_HF, PATCH  # noqa: E402
 from conftest import DEVICE, attention, rel, token_batch  # noqa: E402
+from hf_reference import assert_step_like_hf, hf_grads  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -206,9 +209,9 @@ def default_config(model_type: str) -> object:
         return types.SimpleNamespace(model_type=CONFIGS[model_type].model_type)
 
 
-def hf_model(model_type: str, seed: int = 0, **kw: object) -> torch.nn.Module:
+def hf_model(model_type: str, seed: int = 0, shape: dict | None = None, **kw: object) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = CONFIGS[model_type](**SHAPE, **kw)
+    config = CONFIGS[model_type](**(shape or SHAPE), **kw)
     # MoE experts as HF's loop over experts: its default grouped GEMM takes no fp64 (the reference run)
     experts = dict(experts_implementation="eager") if hasattr(config, "num_experts_per_tok") else {}
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config), **experts)
@@ -233,59 +236,24 @@ def run(model: torch.nn.Module, grads: Callable[[torch.nn.Module], dict] | None 
     out = model(ids, labels=labels, **inputs) if isinstance(model, coda.models.LlamaForCausalLM) else \
         model(input_ids=ids, labels=labels, **inputs)
     out.loss.backward()
-    return out.loss.detach().double(), {n: g.double() for n, g in (grads or hf_grads)(model).items()}
+    if grads is None:
+        grads = coda_grads if isinstance(model, coda.models.LlamaForCausalLM) else hf_grads
+    return out.loss.detach().double(), {n: g.double() for n, g in grads(model).items()}
 
 
-def assert_like_hf(hf: torch.nn.Module, ours: tuple, **inputs: torch.Tensor) -> None:
-    """`ours` (loss, gradients) against transformers' fp32 run, measured from its fp64 run: within
-    1e-5 (relative), or where HF's own fp32 gradient is further than 0.5e-5 from fp64 (attention
-    gradients through large q/k biases are that ill-conditioned), within twice HF's own error. A
-    bias's gradient is a sum over tokens that can cancel to near nothing (a k bias's whole part
-    outside RoPE cancels exactly in softmax): one over both bounds is measured, as a sum's rounding
-    error is, against the sum of its terms' magnitudes (`bias_terms`)."""
-    hf32 = run(hf, hf_grads, **inputs)
-    hf64 = run(copy.deepcopy(hf).double(), hf_grads, **inputs)
-    assert abs(ours[0] - hf32[0]) < 1e-5 * abs(hf32[0])
-    assert set(ours[1]) == set(hf64[1])
-    off = {}
-    for name, g in hf64[1].items():
-        err, hf_err = rel(ours[1][name], g), rel(hf32[1][name], g)
-        if err >= max(1e-5, 2 * hf_err):
-            off[name] = f"{name}: relative error {err:.3g} (HF fp32's own: {hf_err:.3g})"
-    assert all(name.endswith(".bias") for name in off), "; ".join(off.values())
-    if off:
-        terms = bias_terms(copy.deepcopy(hf).double(), list(off), **inputs)
-        for name in off:
-            err = (ours[1][name] - hf64[1][name]).norm().item()
-            assert err < 1e-5 * terms[name], f"{off[name]}; {err:.3g} against its terms' {terms[name]:.3g}"
+def coda_grads(model: coda.models.LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    return model.to_hf_state_dict(grads=True)
 
 
-def bias_terms(model: torch.nn.Module, names: list[str], **inputs: torch.Tensor) -> dict[str, float]:
-    """For each named bias of an nn.Linear, the norm of the sum over tokens of |the output gradient|:
-    the terms its gradient sums (in the model's fp64 run)."""
-    outputs: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name in names:
-        module = model.get_submodule(name.removesuffix(".bias"))
-        assert isinstance(module, torch.nn.Linear), f"{name} is not an nn.Linear's bias"
-
-        def keep(_m, _i, out, name=name):
-            out.retain_grad()
-            outputs[name] = out
-        hooks.append(module.register_forward_hook(keep))
-    try:
-        run(model, hf_grads, **inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: out.grad.abs().reshape(-1, out.shape[-1]).sum(0).norm().item() for name, out in outputs.items()}
+def assert_like_hf(hf: torch.nn.Module, convert: Callable[[torch.nn.Module], torch.nn.Module],
+                   **inputs: torch.Tensor) -> None:
+    """A step of `convert(hf)` (coda.models.from_hf, or `patched`) against transformers' fp32 step on
+    `batch` and `inputs` (hf_reference.assert_step_like_hf: the bounds)."""
+    assert_step_like_hf(hf, convert, lambda model: run(model, **inputs))
 
 
-def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trained parameter's gradient (not ERNIE 4.5 MoE's frozen router score correction)."""
-    sd = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])  # tied: one parameter
-    return sd
+def patched(hf: torch.nn.Module) -> torch.nn.Module:
+    return coda.patch(copy.deepcopy(hf))
 
 
 # Families whose every mechanism another family's case exercises in the quick subset run in the full
@@ -324,8 +292,7 @@ def test_every_causal_lm_family_is_supported_and_tested_or_refused(entry: str) -
 @pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
 def test_from_hf_matches_hf_in_fp32(model_type: str) -> None:
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
-    model = coda.models.from_hf(hf)
-    assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
+    assert_like_hf(hf, coda.models.from_hf)
 
 
 # YaRN over a small base and original context, so that its ramp blends pairs 0-5 of 8 (head_dim 16)
@@ -352,7 +319,7 @@ def test_from_hf_yarn_matches_hf_in_fp32(model_type: str) -> None:
     c = model.config
     assert [c.attention_scale(i) != c.dim_per_head ** -0.5 for i in range(c.num_hidden_layers)] == {
         "olmo3": [False, True], "smollm3": [False, True]}.get(model_type, [True, True])
-    assert_like_hf(hf, run(model, lambda m: m.to_hf_state_dict(grads=True)))
+    assert_like_hf(hf, coda.models.from_hf)
 
 
 @pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
@@ -366,8 +333,7 @@ def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", quick_or_slow(PATCH_CASES))
 def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     hf = hf_model(model_type, **PATCH_CASES[model_type])
-    model = coda.patch(copy.deepcopy(hf))
-    assert_like_hf(hf, run(model))
+    assert_like_hf(hf, patched)
 
 
 @pytest.mark.parametrize("model_type,kw", [("deepseek_v3", {}),
@@ -390,7 +356,7 @@ def test_patch_passes_on_router_logits_where_hf_adds_no_router_loss(model_type: 
     assert (mine is None) == (ref is None)
     if ref is not None:
         assert len(mine) == len(ref) and all(rel(a, b) < 1e-5 for a, b in zip(mine, ref))
-    assert_like_hf(hf, run(model))
+    assert_like_hf(hf, patched)
 
 
 @pytest.mark.slow
@@ -398,8 +364,7 @@ def test_patch_keeps_deepseek_v3_interleaved_rope() -> None:
     """DeepSeek-V3 as its released checkpoints are converted (rope_interleave): the attention calls HF's
     interleaved rotation, which patch leaves HF's, and the model still matches HF."""
     hf = hf_model("deepseek_v3", **{**PATCH_CASES["deepseek_v3"], "rope_interleave": True})
-    model = coda.patch(copy.deepcopy(hf))
-    assert_like_hf(hf, run(model))
+    assert_like_hf(hf, patched)
 
 
 # One family per way coda.patch meets positions and masks: Llama's layer, Phi-3's fused projections and
@@ -424,8 +389,7 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
         inputs = dict(attention_mask=mask)
     else:
         inputs = dict(position_ids=torch.cat([torch.arange(n) for n in (3, SEQ - 3)])[None].expand(2, SEQ).to(DEVICE))
-    model = coda.patch(copy.deepcopy(hf))
-    assert_like_hf(hf, run(model, **inputs), **inputs)
+    assert_like_hf(hf, patched, **inputs)
 
 
 @pytest.mark.parametrize("model_type,kw,field", [
@@ -448,9 +412,13 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
     ("ernie4_5", dict(use_bias=True), "use_bias"),  # every projection biased
     ("seed_oss", dict(residual_dropout=0.0, attention_out_bias=True), "attention_out_bias"),
     ("seed_oss", dict(residual_dropout=0.0), "attention_dropout"),  # its default 0.1
+    # int(12 * 0.75) = 9 dims: an odd count, which transformers rotates as 10 (found at a drawn shape)
+    ("phi3", dict(hidden_size=48, partial_rotary_factor=0.75), "partial_rotary_factor"),
+    ("glm4", dict(head_dim=12, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                "partial_rotary_factor": 0.75}), "partial_rotary_factor"),
 ])
 def test_from_hf_refuses_fields_it_does_not_compute(model_type: str, kw: dict, field: str) -> None:
-    config = CONFIGS[model_type](**SHAPE, **kw)
+    config = CONFIGS[model_type](**{**SHAPE, **kw})
     with pytest.raises(ValueError, match=rf"{model_type}: .*{field}="):
         coda.models.from_hf(Shell(config))
 
@@ -770,3 +738,70 @@ def test_remote_code_is_refused_and_auto_map_alone_is_not() -> None:
         coda.patch(remote)
     with pytest.raises(ValueError, match="CustomForCausalLM .*not a transformers model class"):
         coda.models.from_hf(remote)
+
+
+@st.composite
+def drawn_shapes(draw: st.DrawFn, cases: dict[str, dict]) -> tuple[str, dict, dict, int]:
+    """(model_type, shape, fields, seq): one of `cases` at drawn widths, head counts (grouped or
+    not), head_dim (apart from hidden_size / heads where the family takes one), depth, norm eps,
+    tying and sequence length; per-layer lists of the case (layer_types, no_rope_layers) redrawn
+    to the depth."""
+    model_type = draw(st.sampled_from(sorted(cases)))
+    heads = draw(st.sampled_from([2, 4, 6]))
+    shape = dict(SHAPE, hidden_size=draw(st.sampled_from([24, 32, 48])), num_attention_heads=heads,
+                 num_key_value_heads=draw(st.sampled_from([d for d in (1, 2, 3, 6) if heads % d == 0])),
+                 intermediate_size=draw(st.sampled_from([40, 48, 72])), num_hidden_layers=draw(st.integers(1, 3)))
+    kw = dict(cases[model_type])
+    if "head_dim" in kw or shape["hidden_size"] % heads:
+        kw["head_dim"] = draw(st.sampled_from([8, 16]))
+    layers = shape["num_hidden_layers"]
+    if "layer_types" in kw:
+        kw["layer_types"] = draw(st.lists(st.sampled_from(sorted(set(kw["layer_types"]))), min_size=layers,
+                                          max_size=layers))
+    if "no_rope_layers" in kw:
+        kw["no_rope_layers"] = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+    kw["rms_norm_eps"] = draw(st.sampled_from([1e-6, 1e-3, 0.1]))
+    kw["tie_word_embeddings"] = draw(st.booleans())
+    return model_type, shape, kw, draw(st.sampled_from([5, 8, 13]))
+
+
+def drawn_model(model_type: str, shape: dict, kw: dict, seq: int) -> torch.nn.Module:
+    """The drawn case's HF model; a draw that transformers itself cannot build or run (a head_dim
+    its attention ignores, a RoPE table too short for the head) is skipped."""
+    try:
+        hf = hf_model(model_type, shape=shape, **kw)
+        with torch.no_grad():
+            hf(input_ids=batch(seq)[0])
+    except Exception:  # noqa: BLE001  (any failure of transformers' own)
+        assume(False)
+    return hf
+
+
+DRAWN = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@pytest.mark.slow
+@settings(max_examples=30, **DRAWN)
+@given(case=drawn_shapes(FROM_HF_CASES))
+def test_from_hf_matches_hf_at_drawn_shapes(case: tuple) -> None:
+    """test_from_hf_matches_hf_in_fp32's cases at other shapes: ragged sequence lengths, one head
+    per kv head or several, head_dim apart from the width, one to three layers, eps up to 0.1. A
+    shape the rules refuse (an odd count of rotated dims) must be refused by name."""
+    model_type, shape, kw, seq = case
+    hf = drawn_model(model_type, shape, kw, seq)
+    found = families.problems(hf.config, FROM_HF)
+    if found:
+        with pytest.raises(ValueError, match=re.escape(found[0])):
+            coda.models.from_hf(hf)
+        return
+    assert_like_hf(hf, coda.models.from_hf, seq=seq)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, **DRAWN)
+@given(case=drawn_shapes(PATCH_CASES))
+def test_patch_matches_hf_at_drawn_shapes(case: tuple) -> None:
+    """test_patch_matches_hf_in_fp32's cases (the MoE families' too) at drawn shapes."""
+    model_type, shape, kw, seq = case
+    hf = drawn_model(model_type, shape, kw, seq)
+    assert_like_hf(hf, patched, seq=seq)

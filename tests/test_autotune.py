@@ -66,8 +66,17 @@ def fake_measure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Config
     return launched
 
 
+def recording(launched: list[Config]) -> autotune.Launch:
+    """A tuner launch that records each config it runs, on its build and on every relaunch timed."""
+    def launch(cfg: Config):
+        launched.append(cfg)
+        return lambda: launched.append(cfg)
+    return launch
+
+
 def choose(launched: list[Config], graph=swiglu.graph, k: TuneKey | None = None) -> Config:
-    return autotune.choose(graph, k or key(), "bfloat16", 2, 2, 8192, 16384, 2048, launched.append, lambda c: None)
+    return autotune.choose(graph, k or key(), "bfloat16", 2, 2, 8192, 16384, 2048, recording(launched),
+                           lambda c: None)
 
 
 # -- pruning -------------------------------------------------------------------------------
@@ -114,7 +123,7 @@ def test_prune_tma_store_without_tile_outputs() -> None:
 def test_reduction_only_epilogues_keep_candidates(fake_measure: list[Config]) -> None:
     only_red = coda.epilogue(lambda acc: coda.reduce_n(acc, "logsumexp"))
     cfg = autotune.choose(only_red.graph, key(graph=only_red.graph.hash), "bfloat16", 2, 2, 8192, 16384, 2048,
-                          fake_measure.append, lambda c: None)
+                          recording(fake_measure), lambda c: None)
     assert not cfg.tma_store and not any(c.tma_store for c in fake_measure)
 
 
@@ -313,10 +322,10 @@ def test_stale_entry_is_retuned(fake_measure: list[Config]) -> None:
 def test_failing_configs_are_skipped(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CODA_TUNE_QUIET", "0")
 
-    def launch(cfg: Config) -> None:
+    def launch(cfg: Config):
         if cfg.block_n == 256:
             raise RuntimeError("out of resources")
-        fake_measure.append(cfg)
+        return recording(fake_measure)(cfg)
 
     cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, launch, lambda c: None)
     assert cfg.block_n != 256
@@ -329,7 +338,7 @@ def test_spilling_configs_are_pruned(fake_measure: list[Config], monkeypatch: py
     fake = autotune.measure
     monkeypatch.setattr(autotune, "measure", lambda fn: (ms := fake(fn), timed.append(fake_measure[-1]))[0])
     default = default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
-    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
+    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, recording(fake_measure),
                           lambda c: 12 if c.block_n == 256 else 0)
     assert default.block_n == 256 and cfg == default
     assert {c for c in fake_measure if c.block_n == 256} - {default}  # spilling configs were built
@@ -337,7 +346,7 @@ def test_spilling_configs_are_pruned(fake_measure: list[Config], monkeypatch: py
 
 
 def test_when_every_config_uses_local_memory_the_fastest_wins(fake_measure: list[Config]) -> None:
-    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, fake_measure.append,
+    cfg = autotune.choose(swiglu.graph, key(), "bfloat16", 2, 2, 8192, 16384, 2048, recording(fake_measure),
                           lambda c: 32)
     assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, 256, 4)
 
@@ -390,6 +399,9 @@ _SCRIPT = textwrap.dedent("""
         return coda.silu(gate) * up
 
     calls = []
+    def launch(cfg):
+        calls.append(cfg)
+        return lambda: calls.append(cfg)
     def measure(fn):
         fn()
         time.sleep(float(sys.argv[1]))
@@ -397,7 +409,7 @@ _SCRIPT = textwrap.dedent("""
     autotune.measure = measure
     key = autotune.TuneKey(graph=swiglu.graph.hash, m_bucket=8192, n=16384, k=2048, spec="s", gpu="g",
                            triton="3.6.0", coda=coda.__version__, generator="g0", backends=("triton",))
-    cfg = autotune.choose(swiglu.graph, key, "bfloat16", 2, 2, 8192, 16384, 2048, calls.append, lambda c: None)
+    cfg = autotune.choose(swiglu.graph, key, "bfloat16", 2, 2, 8192, 16384, 2048, launch, lambda c: None)
     print(json.dumps({"config": cfg.model_dump(), "benchmarked": len(calls)}))
 """)
 
@@ -492,3 +504,27 @@ def test_tma_tile_loads_share_the_shared_memory_budget() -> None:
     scratch = triton_backend.scratch_bytes(swiglu_backward.graph, cfg, False) + BARRIER_BYTES
     assert autotune.smem_bytes(swiglu_backward.graph, cfg, 2, 2) == all_tma + scratch
     assert "shared memory" in autotune.prune_reason(swiglu_backward.graph, cfg, 2, 2, 8192, 8192)
+
+
+@pytest.mark.skipif(not GPU, reason="the real tuner times kernels on a GPU")
+def test_tuning_on_the_gpu_times_kernels_not_launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The tuner on a GPU: every candidate relaunched under CUDA-graph capture, a tiny GEMM timed at
+    its kernel's few microseconds (timed call by call it measured the host's launch work, 0.1 ms and
+    more), and the config kept computes the epilogue."""
+    import torch
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CODA_AUTOTUNE", "force")
+    monkeypatch.setenv("CODA_TUNE_QUIET", "1")
+    monkeypatch.setattr(autotune, "SESSION", autotune.Session())
+    times: list[float] = []
+    real = autotune.measure
+    monkeypatch.setattr(autotune, "measure", lambda fn: (ms := real(fn), times.append(ms))[0])
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    out = coda.gemm(a, b, swiglu)
+    gate, up = (a.float() @ b.float()).view(256, 256, 2).unbind(-1)
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    entries = list((tmp_path / "tuning").glob("*.json"))
+    assert len(entries) == 1 and TuneEntry.model_validate_json(entries[0].read_text()).candidates > 1
+    assert times and min(times) < 0.05, f"the fastest candidate timed {min(times):.3f} ms: host work was timed"

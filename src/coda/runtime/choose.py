@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import triton
@@ -84,8 +85,9 @@ def pick_config(call: Call, interpret: bool, launch) -> Config:
     scratch = replace(call, out={name: torch.empty_like(t) for name, t in call.out.items()})
     compiled: dict[Config, object] = {}
 
-    def run(c: Config) -> None:
-        compiled[c] = launch(scratch, c)
+    def run(c: Config) -> Callable[[], object]:
+        compiled[c], again = launch(scratch, c)
+        return again
 
     def spills(c: Config) -> int | None:
         return getattr(compiled.get(c), "n_spills", None)

@@ -8,7 +8,7 @@ and kernel lookup), `tma` (TMA legality), `plan` (launch arguments, finalize).""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -115,9 +115,12 @@ def chosen_config(graph: Graph, a: torch.Tensor, b: torch.Tensor, operands: Mapp
     return choose.chosen_config(validate(graph, a, b, operands, None, interpreting()), interpreting())
 
 
-def _tuning_launch(call: Call, cfg: Config) -> object:
-    """One validated launch of a candidate config; returns Triton's compiled kernel."""
-    return make_plan(call, cfg, False).execute(call.a, call.b, call.operands, call.out)[1]
+def _tuning_launch(call: Call, cfg: Config) -> tuple[object, Callable[[], object]]:
+    """One validated launch of a candidate config: (Triton's compiled kernel, a relaunch of the
+    plan built, which the tuner times: a later call's work, not this build's)."""
+    plan = make_plan(call, cfg, False)
+    kernel = plan.execute(call.a, call.b, call.operands, call.out)[1]
+    return kernel, lambda: plan.execute(call.a, call.b, call.operands, call.out)
 
 
 def make_plan(call: Call, cfg: Config, interpret: bool) -> Plan:

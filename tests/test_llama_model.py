@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from coda.models import LlamaForCausalLM  # noqa: E402
 from conftest import DEVICE, rel  # noqa: E402
+from hf_reference import hf_grads  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 # With head_dim 8 the four RoPE wavelengths (6, 63, 628, 6283) fall one below high_wavelen (kept), one
@@ -40,13 +41,6 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     labels[1, 5] = -100
     return ids, labels
 
-
-
-def hf_grads(model) -> dict[str, torch.Tensor]:
-    sd = {n: p.grad for n, p in model.named_parameters()}
-    if "lm_head.weight" not in sd:  # tied: one parameter under the embedding's name
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return sd
 
 
 @pytest.mark.slow

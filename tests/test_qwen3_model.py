@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import coda  # noqa: E402
 from conftest import DEVICE, rel, token_batch  # noqa: E402
+from hf_reference import hf_grads  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 # Layer 1 slides (window 4 < SEQ); head_dim 16 (q width 64, not hidden_size: Qwen3's o_proj maps it back).
@@ -37,12 +38,6 @@ def hf_qwen3(**kw: object) -> torch.nn.Module:
 def ids_and_labels() -> tuple[torch.Tensor, torch.Tensor]:
     return token_batch(VOCAB, SEQ)
 
-
-
-def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    sd = {n: p.grad for n, p in model.named_parameters()}
-    sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
-    return sd
 
 
 def step(model: torch.nn.Module, **kw: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

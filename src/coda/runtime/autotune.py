@@ -185,10 +185,10 @@ def _say(msg: str) -> None:
 
 def measure(fn: Callable[[], object]) -> float:
     """Median ms of fn's kernels on the GPU, fn captured into a CUDA graph and replayed: no host work
-    is timed. Timed launch by launch instead (each call's events around it), a kernel under about
-    0.5 ms measured the host's work of launching it, which differs per config (on an H100, 0.25-0.57
-    ms for GEMMs of 0.10-0.13 ms), and the tuner kept configs that launch faster, not run faster.
-    (The tests replace this to check the logic on a CPU.)"""
+    is timed. Timed launch by launch instead (each call's events around it), a kernel shorter than
+    its launch's host work measured that work, which differs per config, and the tuner kept configs
+    that launched faster, not ran faster (bench/results/tune_h100_f21f531/). (The tests replace
+    this to check the logic on a CPU.)"""
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 

@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,10 +60,10 @@ FAMILIES = {
 FAMILY_CASES = [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 
 
-def hf_model(model_type: str, attn: str | None = None, **kw: object) -> torch.nn.Module:
+def hf_model(model_type: str, attn: str | None = None, shape: dict | None = None, **kw: object) -> torch.nn.Module:
     """The tiny HF model, norms and biases perturbed; `attn` its attention (None: conftest.attention's)."""
     torch.manual_seed(0)
-    config = transformers.CONFIG_MAPPING[model_type](**SHAPE, **kw)
+    config = transformers.CONFIG_MAPPING[model_type](**(shape or SHAPE), **kw)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn or attention(config))
     model = model.to(device=DEVICE, dtype=torch.float32)
     with torch.no_grad():
@@ -516,3 +518,66 @@ def test_model_over_padded_sequences_matches_hf(monkeypatch: pytest.MonkeyPatch,
         ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
     assert rel(ours, theirs) < 1e-5
     assert_same_step(hf, ids, labels, attention_mask=mask)
+
+
+@st.composite
+def drawn_masks(draw: st.DrawFn) -> tuple[str, dict, dict, int, dict]:
+    """(family, shape, fields, seq, step inputs): a FAMILIES case at drawn head counts, width, depth,
+    per-layer lists and window, over a drawn sequence length, with a drawn mask: left or right padding
+    of any length per row (a whole row's but one token included), holes inside rows, or packed
+    documents of drawn lengths."""
+    family = draw(st.sampled_from(sorted(FAMILIES)))
+    heads, layers = draw(st.sampled_from([2, 4])), draw(st.integers(1, 2))
+    shape = dict(SHAPE, hidden_size=draw(st.sampled_from([32, 48])), num_attention_heads=heads,
+                 num_key_value_heads=draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0])),
+                 num_hidden_layers=layers)
+    kw = dict(FAMILIES[family], use_cache=False)
+    for name, values in (("layer_types", sorted(set(kw.get("layer_types", [])))), ("no_rope_layers", [0, 1])):
+        if name in kw:
+            kw[name] = draw(st.lists(st.sampled_from(values), min_size=layers, max_size=layers))
+    if "sliding_window" in kw:
+        kw["sliding_window"] = draw(st.sampled_from([2, 3, 5, 6]))
+    seq = draw(st.sampled_from([7, 10, 15]))
+    form = draw(st.sampled_from(["left", "right", "holes", "packed"]))
+    if form == "packed":
+        rows = []
+        for _ in range(2):
+            cuts = sorted(draw(st.sets(st.integers(1, seq - 1), max_size=3)))
+            rows.append(torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, seq])]))
+        return family, shape, kw, seq, dict(position_ids=torch.stack(rows).to(DEVICE))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    for row in range(2):
+        n = draw(st.integers(0, seq - 1))
+        if form == "left":
+            mask[row, :n] = 0
+        elif form == "right":
+            mask[row, seq - n:] = 0
+        elif n:
+            start = draw(st.integers(1, seq - 1))
+            mask[row, start:start + draw(st.integers(1, 3))] = 0
+    return family, shape, kw, seq, dict(attention_mask=mask.to(DEVICE))
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(case=drawn_masks())
+def test_masks_match_hf_at_drawn_shapes(case: tuple) -> None:
+    """Padding, holes and packed documents at drawn shapes and layouts: coda's logits and its step
+    against HF's (a drawn shape transformers itself cannot run, Helium's head_dim apart from the
+    width, is skipped)."""
+    family, shape, kw, seq, inputs = case
+    hf = hf_model(family, shape=shape, **kw)
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, VOCAB, (2, seq), generator=g).to(DEVICE)
+    labels = ids.clone()
+    if "attention_mask" in inputs:
+        labels[inputs["attention_mask"] == 0] = -100
+    try:
+        with torch.no_grad():
+            theirs = hf(input_ids=ids, **inputs).logits
+    except RuntimeError:
+        assume(False)
+    model = coda.models.from_hf(hf)
+    with torch.no_grad():
+        assert rel(model(ids, **inputs).logits, theirs) < 1e-5
+    assert_same_step(hf, ids, labels, **inputs)

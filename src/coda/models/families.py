@@ -447,22 +447,36 @@ def problems(config: Any, entry: str) -> list[str]:
             found.append(f"{model_type}: {name}={value!r} (coda handles {rule.handles})")
     if entry == FROM_HF and family.consistent is not None and (problem := family.consistent(config)):
         found.append(problem)
-    if entry == FROM_HF and (problem := _odd_rotation(config)):
+    if entry == FROM_HF and not found and (problem := _odd_rotation(config)):  # (its fields pass their rules)
         found.append(problem)
     return found
 
 
-def _odd_rotation(config: Any) -> str | None:
-    """A partial rotary fraction that rotates an odd count of each head's dims, int(head_dim *
-    fraction): transformers then rotates one dim past it (its tables hold whole pairs) with
-    frequencies over the odd count, a RoPE coda's epilogues do not compute."""
+def _rotary_fraction(config: Any) -> float | None:
+    """partial_rotary_factor as transformers reads it: in the RoPE dict (the full-attention layers'
+    where the config gives one per layer type; transformers 5.2x), else at the config's top level
+    (5.17); None: the whole head."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    per_type = isinstance(rope, Mapping) and rope and set(rope) <= set(LAYER_TYPES_NAMES)
-    dicts = [d for d in (rope.values() if per_type else [rope]) if isinstance(d, Mapping)]
-    fractions = {d.get("partial_rotary_factor") for d in dicts} | {getattr(config, "partial_rotary_factor", None)}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        rope = rope.get("full_attention", {})
+    return rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+
+
+def rotary_dim(config: Any) -> int | None:
+    """The dims of each head that rotate: transformers' int(head_dim * partial_rotary_factor); None: all."""
+    fraction = _rotary_fraction(config)
+    if fraction is None or fraction == 1:
+        return None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    for fraction in sorted(f for f in fractions if isinstance(f, (int, float)) and 0 < f < 1):
-        if int(head_dim * fraction) % 2:
-            return (f"{config.model_type}: partial_rotary_factor={fraction} rotates int({head_dim} * {fraction}) = "
-                    f"{int(head_dim * fraction)} dims of each head, an odd count (coda rotates whole pairs)")
-    return None
+    return int(head_dim * fraction)
+
+
+def _odd_rotation(config: Any) -> str | None:
+    """A partial rotary fraction that rotates an odd count of each head's dims: transformers then
+    rotates one dim more (its tables hold whole pairs) with frequencies over the odd count, a RoPE
+    coda's epilogues do not compute."""
+    dims = rotary_dim(config)
+    if dims is None or dims % 2 == 0:
+        return None
+    return (f"{config.model_type}: partial_rotary_factor={_rotary_fraction(config)} rotates {dims} dims of each "
+            "head, an odd count (coda rotates whole pairs)")

@@ -30,7 +30,7 @@ from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, split_gate_up
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
-from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, supported
+from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, rotary_dim, supported
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
 from .masks import AttentionMask, build_all, documents, padding
@@ -232,7 +232,7 @@ class LlamaConfig:
                    pad_token_id=getattr(config, "pad_token_id", None),
                    sliding_window=getattr(config, "sliding_window", None),
                    layer_types=None if getattr(config, "layer_types", None) is None else tuple(config.layer_types),
-                   rotary_dim=_rotary_dim(config, rope),
+                   rotary_dim=rotary_dim(config),
                    qkv_bias=family.has_qkv_bias(config), qk_norm=family.qk_norm, gemma=family.gemma_norms,
                    sandwich=family.sandwich, post_norm=family.post_norm,
                    local_rope=local, hf_family=config.model_type,
@@ -282,16 +282,6 @@ def _yarn_numbers(params: dict, config, truncate: bool) -> tuple[float, ...]:
     numbers = dict(factor=factor, beta_fast=params.get("beta_fast") or 32, beta_slow=params.get("beta_slow") or 1,
                    original_max_position_embeddings=old, truncate=float(truncate), attention_factor=attention)
     return tuple(float(numbers[name]) for name in YARN)
-
-
-def _rotary_dim(config, rope: dict) -> int | None:
-    """The dims of each head that rotate: transformers' int(head_dim * partial_rotary_factor), the
-    fraction in the RoPE dict (transformers 5.2x) or at the config's top level (5.17); None: all."""
-    fraction = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if fraction is None or fraction == 1:
-        return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return int(head_dim * fraction)
 
 
 def _number(config, name: str, default: float | None = None) -> float | None:

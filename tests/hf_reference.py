@@ -1,6 +1,6 @@
 """How whole models are compared with transformers in fp32 (test_families, test_attention_masks):
 one training step of coda's model or patched model against HF's own fp32 step, both measured from
-HF's fp64 step, with the bounds fp32 rounding allows."""
+HF's fp64 step, with the bounds fp32 rounding allows; and what the tests that draw their cases share."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from hypothesis import strategies as st
 
+import coda
 from conftest import rel
 
 # One training step of a model: (loss, {HF parameter name: gradient}), in fp64.
@@ -21,6 +23,23 @@ def hf_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     sd = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])  # tied: one parameter
     return sd
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A stepped model's gradients under HF's names: coda's own model's or an HF (or patched) one's."""
+    if isinstance(model, coda.models.LlamaForCausalLM):
+        return model.to_hf_state_dict(grads=True)
+    return hf_grads(model)
+
+
+def redraw_per_layer(draw: st.DrawFn, fields: dict, layers: int) -> dict:
+    """`fields` with its per-layer lists redrawn to `layers` entries: layer_types from the types the
+    case names, no_rope_layers from 0 and 1."""
+    out = dict(fields)
+    for name, values in (("layer_types", sorted(set(fields.get("layer_types", [])))), ("no_rope_layers", [0, 1])):
+        if name in fields:
+            out[name] = draw(st.lists(st.sampled_from(values), min_size=layers, max_size=layers))
+    return out
 
 
 def assert_step_like_hf(hf: torch.nn.Module, convert: Callable[[torch.nn.Module], torch.nn.Module],

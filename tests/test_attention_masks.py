@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import coda  # noqa: E402
 from coda.models import LlamaForCausalLM  # noqa: E402
 from conftest import DEVICE, attention, rel  # noqa: E402
-from hf_reference import assert_step_like_hf, hf_grads  # noqa: E402
+from hf_reference import assert_step_like_hf, grads_of, redraw_per_layer  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -84,11 +84,9 @@ def assert_same_step(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tenso
     """Loss and every gradient of one step, coda's model of `hf` against HF, on the same inputs, within
     the bounds of hf_reference.assert_step_like_hf."""
     def step(m: torch.nn.Module) -> tuple:
-        coda_model = isinstance(m, LlamaForCausalLM)
-        out = m(ids, labels=labels, **kw) if coda_model else m(input_ids=ids, labels=labels, **kw)
+        out = m(ids, labels=labels, **kw) if isinstance(m, LlamaForCausalLM) else m(input_ids=ids, labels=labels, **kw)
         out.loss.backward()
-        grads = m.to_hf_state_dict(grads=True) if coda_model else hf_grads(m)
-        return out.loss.detach().double(), {n: g.double() for n, g in grads.items()}
+        return out.loss.detach().double(), {n: g.double() for n, g in grads_of(m).items()}
 
     assert_step_like_hf(hf, coda.models.from_hf, step)
 
@@ -531,10 +529,7 @@ def drawn_masks(draw: st.DrawFn) -> tuple[str, dict, dict, int, dict]:
     shape = dict(SHAPE, hidden_size=draw(st.sampled_from([32, 48])), num_attention_heads=heads,
                  num_key_value_heads=draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0])),
                  num_hidden_layers=layers)
-    kw = dict(FAMILIES[family], use_cache=False)
-    for name, values in (("layer_types", sorted(set(kw.get("layer_types", [])))), ("no_rope_layers", [0, 1])):
-        if name in kw:
-            kw[name] = draw(st.lists(st.sampled_from(values), min_size=layers, max_size=layers))
+    kw = redraw_per_layer(draw, dict(FAMILIES[family], use_cache=False), layers)
     if "sliding_window" in kw:
         kw["sliding_window"] = draw(st.sampled_from([2, 3, 5, 6]))
     seq = draw(st.sampled_from([7, 10, 15]))

@@ -24,7 +24,7 @@ import coda  # noqa: E402
 from coda.models import families  # noqa: E402
 from coda.models.families import FROM_HF, PATCH  # noqa: E402
 from conftest import DEVICE, attention, rel, token_batch  # noqa: E402
-from hf_reference import assert_step_like_hf, hf_grads  # noqa: E402
+from hf_reference import assert_step_like_hf, grads_of, redraw_per_layer  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -236,13 +236,7 @@ def run(model: torch.nn.Module, grads: Callable[[torch.nn.Module], dict] | None 
     out = model(ids, labels=labels, **inputs) if isinstance(model, coda.models.LlamaForCausalLM) else \
         model(input_ids=ids, labels=labels, **inputs)
     out.loss.backward()
-    if grads is None:
-        grads = coda_grads if isinstance(model, coda.models.LlamaForCausalLM) else hf_grads
-    return out.loss.detach().double(), {n: g.double() for n, g in grads(model).items()}
-
-
-def coda_grads(model: coda.models.LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    return model.to_hf_state_dict(grads=True)
+    return out.loss.detach().double(), {n: g.double() for n, g in (grads or grads_of)(model).items()}
 
 
 def assert_like_hf(hf: torch.nn.Module, convert: Callable[[torch.nn.Module], torch.nn.Module],
@@ -488,7 +482,7 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     model = coda.models.from_hf(hf16)
     (ref_loss, ref), (hf_loss, hf) = run(hf32), run(hf16)
-    loss, ours = run(model, lambda m: m.to_hf_state_dict(grads=True))
+    loss, ours = run(model)
     assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
     for name, g in ref.items():
         hf_err, err = rel(hf[name], g), rel(ours[name], g)
@@ -525,7 +519,7 @@ def test_compiled_fullgraph_and_checkpointed_give_the_eager_results(model_type: 
     recompute under activation checkpointing: the eager loss and gradients."""
     torch._dynamo.reset()
     hf = hf_model(model_type, **FROM_HF_CASES[model_type])
-    eager = run(coda.models.from_hf(hf), lambda m: m.to_hf_state_dict(grads=True))
+    eager = run(coda.models.from_hf(hf))
     for model in (torch.compile(coda.models.from_hf(hf), fullgraph=True, backend="eager"),
                   coda.models.from_hf(hf, checkpoint=True)):
         inner = getattr(model, "_orig_mod", model)
@@ -751,15 +745,9 @@ def drawn_shapes(draw: st.DrawFn, cases: dict[str, dict]) -> tuple[str, dict, di
     shape = dict(SHAPE, hidden_size=draw(st.sampled_from([24, 32, 48])), num_attention_heads=heads,
                  num_key_value_heads=draw(st.sampled_from([d for d in (1, 2, 3, 6) if heads % d == 0])),
                  intermediate_size=draw(st.sampled_from([40, 48, 72])), num_hidden_layers=draw(st.integers(1, 3)))
-    kw = dict(cases[model_type])
+    kw = redraw_per_layer(draw, cases[model_type], shape["num_hidden_layers"])
     if "head_dim" in kw or shape["hidden_size"] % heads:
         kw["head_dim"] = draw(st.sampled_from([8, 16]))
-    layers = shape["num_hidden_layers"]
-    if "layer_types" in kw:
-        kw["layer_types"] = draw(st.lists(st.sampled_from(sorted(set(kw["layer_types"]))), min_size=layers,
-                                          max_size=layers))
-    if "no_rope_layers" in kw:
-        kw["no_rope_layers"] = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
     kw["rms_norm_eps"] = draw(st.sampled_from([1e-6, 1e-3, 0.1]))
     kw["tie_word_embeddings"] = draw(st.booleans())
     return model_type, shape, kw, draw(st.sampled_from([5, 8, 13]))

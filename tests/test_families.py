@@ -386,6 +386,35 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
     assert_like_hf(hf, patched, **inputs)
 
 
+def loss_arguments(form: str) -> dict:
+    """transformers' loss arguments, each moving the loss away from the labels' own: targets the caller
+    shifted (sequence-parallel trainers), those with another ignore value, a token count from outside
+    the batch (transformers' Trainer under gradient accumulation)."""
+    ids, _ = batch()
+    shifted = torch.roll(ids, 2, dims=1)
+    shifted[1, 2:4] = -100
+    if form == "shift_labels":
+        return dict(shift_labels=shifted)
+    if form == "ignore_index":
+        return dict(shift_labels=shifted.masked_fill(shifted == -100, -7), ignore_index=-7)
+    return dict(num_items_in_batch=torch.tensor(5, device=DEVICE))
+
+
+@pytest.mark.parametrize("model_type", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])  # (capped logits)
+@pytest.mark.parametrize("entry", ["from_hf", "patch"])
+@pytest.mark.parametrize("form", ["shift_labels", "ignore_index", "num_items_in_batch"])
+def test_loss_arguments_give_hf_loss_and_gradients(model_type: str, entry: str, form: str) -> None:
+    cases, convert = (FROM_HF_CASES, coda.models.from_hf) if entry == "from_hf" else (PATCH_CASES, patched)
+    assert_like_hf(hf_model(model_type, **cases[model_type]), convert, **loss_arguments(form))
+
+
+def test_shift_labels_without_labels_are_refused() -> None:
+    model = coda.models.from_hf(hf_model("llama", **FROM_HF_CASES["llama"]))
+    ids, _ = batch()
+    with pytest.raises(ValueError, match="shift_labels needs labels"):
+        model(ids, shift_labels=ids)
+
+
 @pytest.mark.parametrize("model_type,kw,field", [
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),

@@ -24,8 +24,8 @@ What runs through coda:
   HF's own code, rebound to a copy of its module's globals in which that name is coda's
   (`_with_coda_rope`): no class and no module of transformers changes. A forward that does not
   call the function by that name keeps HF's RoPE;
-* the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's shifted-label loss, logits never
-  materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
+* the LM head: with labels, `coda.ops.linear_cross_entropy` (HF's loss with its loss arguments,
+  lm_loss.py; logits never materialized: `.logits` is None); without labels (`.generate()`), the final norm + LM head as
   `coda.ops.rmsnorm_linear`.
 Gemma's norms scale by (1 + w): coda's ops get g = 1 + w in fp32; Granite's final norm carries its
 1 / logits_scaling. What stays HF's: the embedding (with Gemma's scale or Granite's multiplier), the
@@ -54,16 +54,15 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.rmsnorm import rmsnorm
 from ..ops.rope import rope
 from ..ops.rmsnorm_linear import rmsnorm_linear
 from ..ops.rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
 from ..ops.swiglu_mlp import swiglu_mlp
 from . import families
+from .lm_loss import causal_lm_loss
 
 log = logging.getLogger("coda")
 
@@ -248,7 +247,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         router = kwargs.pop("output_router_logits", None)
         kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
     return_dict = kwargs.pop("return_dict", None)
-    num_items = kwargs.pop("num_items_in_batch", None)
+    # transformers hands these to its loss only (ForCausalLMLoss; its model ignores them)
+    loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "shift_labels", "ignore_index") if k in kwargs}
     cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma: c * tanh(logits / c)
     norm = self.model.norm
     norm._coda_deferred = labels is None
@@ -268,11 +268,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if cap is not None:  # as HF rounds it: in the logits' dtype
             logits = torch.tanh(logits / cap) * cap
     else:
-        target = F.pad(labels.to(hidden.device), (0, 1), value=-100)[:, 1:]  # HF's shift: token t predicts t + 1
-        if num_items is None:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, target, softcap=cap)
-        else:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, target, reduction="sum", softcap=cap) / num_items
+        loss = causal_lm_loss(hidden, self.lm_head.weight, labels, softcap=cap, **loss_kwargs)
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     if moe:
         aux = None

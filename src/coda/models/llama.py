@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, split_gate_up
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
 from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, rotary_dim, supported
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
+from .lm_loss import causal_lm_loss
 from .masks import AttentionMask, build_all, documents, padding
 from .qkv_projection import qk_norm_qkv, whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual
@@ -636,10 +636,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+                attention_mask: torch.Tensor | None = None, *, shift_labels: torch.Tensor | None = None,
+                ignore_index: int = -100, num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutput:
         """`attention_mask` [B, S]: 0 marks padding (never attended); `position_ids` [B, S] or [1, S]:
         RoPE positions, and without `attention_mask` the documents packed in a row (a new one where
-        the position does not step by +1; attention stays inside it), as transformers (masks.py)."""
+        the position does not step by +1; attention stays inside it), as transformers (masks.py).
+        With `labels`, transformers' loss and its arguments (`shift_labels`, `ignore_index`,
+        `num_items_in_batch`: lm_loss.py)."""
+        if labels is None and shift_labels is not None:
+            raise ValueError("shift_labels needs labels: as in transformers, the loss is computed only when "
+                             "labels are given (pass both)")
         c = self.config
         batch, seq = input_ids.shape
         docs = None
@@ -684,8 +690,8 @@ class LlamaForCausalLM(nn.Module):
             if c.final_softcap is not None:  # as HF rounds it: in the logits' dtype
                 logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
             return CausalLMOutput(logits=logits)
-        target = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)  # HF's shift: token t predicts t + 1
-        return CausalLMOutput(loss=linear_cross_entropy(x, head, target, softcap=c.final_softcap))
+        return CausalLMOutput(loss=causal_lm_loss(x, head, labels, shift_labels=shift_labels, ignore_index=ignore_index,
+                                                  num_items_in_batch=num_items_in_batch, softcap=c.final_softcap))
 
 
 def from_hf(hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:

@@ -386,6 +386,28 @@ def test_patch_matches_hf_with_padding_and_packed_documents(model_type: str, for
     assert_like_hf(hf, patched, **inputs)
 
 
+@pytest.mark.parametrize("model_type", quick_or_slow(PATCH_CASES))
+def test_patch_shows_hf_hidden_states_and_base_model_output(model_type: str) -> None:
+    """What a patched model shows besides logits and loss is HF's: the returned hidden states, whose
+    last is the final norm's output (which the LM head's op otherwise takes over), with and without
+    labels, and the base model's last_hidden_state (Granite's final norm carries its logits scaling
+    into the head's op only)."""
+    hf = hf_model(model_type, **PATCH_CASES[model_type])
+    ours = patched(hf)
+    ids, labels = batch()
+    with torch.no_grad():
+        assert rel(ours.model(input_ids=ids).last_hidden_state, hf.model(input_ids=ids).last_hidden_state) < 1e-5
+        for given in (None, labels):
+            ref = hf(input_ids=ids, labels=given, output_hidden_states=True)
+            out = ours(input_ids=ids, labels=given, output_hidden_states=True)
+            assert len(out.hidden_states) == len(ref.hidden_states)
+            assert all(rel(a, b) < 1e-5 for a, b in zip(out.hidden_states, ref.hidden_states))
+            if given is None:
+                assert rel(out.logits, ref.logits) < 1e-5
+            else:
+                assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * abs(ref.loss.item())
+
+
 def loss_arguments(form: str) -> dict:
     """transformers' loss arguments, each moving the loss away from the labels' own: targets the caller
     shifted (sequence-parallel trainers), those with another ignore value, a token count from outside

@@ -54,6 +54,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.rmsnorm import rmsnorm
@@ -71,12 +72,13 @@ def _passthrough(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states
 
 
-def _gain(norm: nn.Module) -> torch.Tensor:
+def _gain(norm: nn.Module, head: bool = False) -> torch.Tensor:
     """The RMSNorm's per-column scale g: its weight, or Gemma's 1 + w in fp32 (HF's Gemma3RMSNorm
-    scales in fp32 and rounds once, as coda's row pass does; dg maps back to dw unchanged). The
-    final norm of Granite divides it by logits_scaling (in fp32): logits = (norm(x) g / s) W^T."""
+    scales in fp32 and rounds once, as coda's row pass does; dg maps back to dw unchanged). For the
+    LM head's op (`head`), Granite's final norm divides it by logits_scaling (in fp32): logits =
+    (norm(x) g / s) W^T."""
     g = 1.0 + norm.weight.float() if norm._coda_unit_offset else norm.weight
-    divisor = getattr(norm, "_coda_logits_scaling", None)
+    divisor = getattr(norm, "_coda_logits_scaling", None) if head else None
     return g if divisor is None else g.float() / divisor
 
 
@@ -89,10 +91,13 @@ def _norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    # The final norm is deferred to the LM head's fused op while the patched CausalLM forward
-    # asks for logits (the flag is set only for that call); otherwise the norm alone.
-    if self._coda_deferred:
+    """HF's final norm, except inside the patched causal LM's forward when its output is seen by
+    the LM head alone (`_coda_head`, set only for that call): "logits" defers it to the head's fused
+    op; "loss" folds Granite's logits scaling into its gain."""
+    if self._coda_head == "logits":
         return hidden_states
+    if self._coda_head == "loss" and getattr(self, "_coda_logits_scaling", None) is not None:
+        return rmsnorm(hidden_states, _gain(self, head=True), _eps(self))
     return self._coda_forward(hidden_states)
 
 
@@ -251,12 +256,17 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "shift_labels", "ignore_index") if k in kwargs}
     cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma: c * tanh(logits / c)
     norm = self.model.norm
-    norm._coda_deferred = labels is None
+    scaling = getattr(norm, "_coda_logits_scaling", None)  # Granite: logits / logits_scaling
+    # Returned hidden states end in the final norm's output, which must then be HF's: the LM head
+    # reads it as it is (and divides by Granite's scaling after). Otherwise the head's op takes the norm.
+    states = kwargs.get("output_hidden_states")
+    seen = bool(self.config.output_hidden_states if states is None else states)
+    norm._coda_head = None if seen else "logits" if labels is None else "loss"
     try:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
     finally:
-        norm._coda_deferred = False
+        norm._coda_head = None
     hidden = outputs.last_hidden_state
     loss = logits = None
     if labels is None:
@@ -264,10 +274,15 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:
             hidden = hidden[:, logits_to_keep]
-        logits = rmsnorm_linear(hidden, _gain(norm), self.lm_head.weight, _eps(norm))
+        if seen:
+            logits = F.linear(hidden, self.lm_head.weight)
+            logits = logits if scaling is None else logits / scaling
+        else:
+            logits = rmsnorm_linear(hidden, _gain(norm, head=True), self.lm_head.weight, _eps(norm))
         if cap is not None:  # as HF rounds it: in the logits' dtype
             logits = torch.tanh(logits / cap) * cap
     else:
+        hidden = hidden / scaling if seen and scaling is not None else hidden
         loss = causal_lm_loss(hidden, self.lm_head.weight, labels, softcap=cap, **loss_kwargs)
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     if moe:
@@ -350,10 +365,10 @@ def patch(model: nn.Module) -> nn.Module:
     scaling = float(getattr(model.config, "logits_scaling", 1.0))  # Granite: logits / logits_scaling
     if scaling != 1.0:
         norm._coda_logits_scaling = scaling
-    # With labels the final norm runs alone before linear_cross_entropy: HF's, or coda's for Gemma
-    # (the same rounding as HF's Gemma norm) and where it carries Granite's logits scaling.
-    own = gemma or scaling != 1.0
-    norm._coda_forward, norm._coda_deferred = types.MethodType(_norm, norm) if own else norm.forward, False
+    # Run as a module (the base model's output, returned hidden states): HF's norm, or coda's for
+    # Gemma, which rounds as HF's Gemma norm does (_final_norm).
+    norm._coda_forward = types.MethodType(_norm, norm) if gemma else norm.forward
+    norm._coda_head = None
     norm.forward = types.MethodType(_final_norm, norm)
     model.forward = types.MethodType(_causal_lm_forward, model)
     swapped += ["model.norm+lm_head -> coda.ops.rmsnorm_linear (logits)",

@@ -144,6 +144,49 @@ def test_unpatchable_models_are_refused_clearly() -> None:
         coda.patch(torch.nn.Linear(4, 4))
 
 
+class Adapted(torch.nn.Linear):
+    """A stand-in for an adapter layer such as peft's LoRA: the base weight, plus what its forward adds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.5 * super().forward(x.flip(-1))
+
+
+def adapted(linear: torch.nn.Linear) -> Adapted:
+    layer = Adapted(linear.in_features, linear.out_features, bias=linear.bias is not None, device=DEVICE)
+    layer.load_state_dict(linear.state_dict())
+    return layer
+
+
+def test_adapted_projections_are_refused_not_skipped() -> None:
+    """The fused MLP and LM head multiply by the projections' weights, so an adapter, a hook or a
+    replaced forward on one of them would be skipped: refused when patching, and on every call
+    (adapters are often added after patching), naming the module."""
+    hf = hf_model("llama")
+    hf.model.layers[1].mlp.up_proj = adapted(hf.model.layers[1].mlp.up_proj)
+    with pytest.raises(TypeError, match=r"model\.layers\.1\.mlp\.up_proj is a test_patch\.Adapted, not a torch\.nn"
+                                        r"\.Linear: .*merge_and_unload"):
+        coda.patch(hf)
+    ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)
+    for change, name in ((lambda m: setattr(m.model.layers[0].mlp, "down_proj", adapted(m.model.layers[0].mlp.down_proj)),
+                          r"model\.layers\.0\.mlp\.down_proj is a test_patch\.Adapted"),
+                         (lambda m: m.lm_head.register_forward_hook(lambda *_: None),
+                          r"lm_head has forward hooks or a replaced forward")):
+        model = coda.patch(hf_model("llama"))
+        change(model)
+        with pytest.raises(TypeError, match=name):
+            model(input_ids=ids, labels=ids)
+
+
+def test_adapted_attention_projections_stay_hf() -> None:
+    """HF's attention calls its projections as modules, so adapters there keep working when patched."""
+    hf = hf_model("llama")
+    for layer in hf.model.layers:
+        layer.self_attn.q_proj = adapted(layer.self_attn.q_proj)
+    ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)
+    ours = coda.patch(copy.deepcopy(hf))
+    assert rel(ours(input_ids=ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss) < 1e-5
+
+
 GATED = {"swiglu": (coda.ops.rmsnorm_swiglu_mlp, F.silu),
          "geglu": (coda.ops.rmsnorm_geglu_mlp, lambda t: F.gelu(t, approximate="tanh"))}
 

@@ -101,24 +101,48 @@ def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self._coda_forward(hidden_states)
 
 
+# The projections whose weights coda's fused ops read: the dense MLP's, and the LM head.
+_MLP_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+_READS_WEIGHTS = ("coda's fused ops multiply by these weights directly; merge adapters into the weights "
+                  "first (peft: merge_and_unload()), or train this model unpatched")
+
+
+def _linear_problem(module: object) -> str | None:
+    """Why a fused op may not multiply by `module.weight` in the module's place, or None. Only a plain
+    nn.Linear computes exactly x @ weight.T: an adapter (peft's LoRA), a quantized layer, a hook or a
+    replaced forward adds what an op that reads the weight skips."""
+    if type(module) is not nn.Linear:
+        return f"is a {type(module).__module__}.{type(module).__qualname__}, not a torch.nn.Linear"
+    if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+        return "has forward hooks or a replaced forward"
+    return None
+
+
+def _weight(owner: nn.Module, name: str) -> torch.Tensor:
+    """owner.<name>.weight, checked on every call (adapters are often added after patching)."""
+    problem = _linear_problem(getattr(owner, name))
+    if problem is not None:
+        raise TypeError(f"coda.patch: {owner._coda_name}{name} {problem}: {_READS_WEIGHTS}")
+    return getattr(owner, name).weight
+
+
 def _gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP's gate and up weights: its two projections', or the row halves of Phi-3's fused
     gate_up_proj ([gate; up]: HF chunks its output in that order). chunk's two views share one
     SplitBackward: autograd writes both gradients into the fused parameter with one
     concatenation, the only cost over separate weights."""
-    fused = getattr(mlp, "gate_up_proj", None)
-    if fused is not None:
-        return fused.weight.chunk(2)
-    return mlp.gate_proj.weight, mlp.up_proj.weight
+    if getattr(mlp, "gate_up_proj", None) is not None:
+        return _weight(mlp, "gate_up_proj").chunk(2)
+    return _weight(mlp, "gate_proj"), _weight(mlp, "up_proj")
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
-    return self._coda_op(x, _gain(norm), *_gate_up(self), self.down_proj.weight, _eps(norm))
+    return self._coda_op(x, _gain(norm), *_gate_up(self), _weight(self, "down_proj"), _eps(norm))
 
 
 def _olmo2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    return swiglu_mlp(x, *_gate_up(self), _weight(self, "down_proj"))
 
 
 def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
@@ -132,6 +156,7 @@ def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
         norm.forward = types.MethodType(_norm, norm)
         swapped.append(f"model.layers.{i}.{name} -> coda.ops.rmsnorm")
     swapped += _patch_qk_norms(i, layer, False)  # (whole-width: over all heads' q, and all k)
+    layer.mlp._coda_name = f"model.layers.{i}.mlp."
     layer.mlp.forward = types.MethodType(_olmo2_mlp_forward, layer.mlp)
     return swapped + [f"model.layers.{i}.mlp -> coda.ops.swiglu_mlp"]
 
@@ -275,15 +300,15 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         else:
             hidden = hidden[:, logits_to_keep]
         if seen:
-            logits = F.linear(hidden, self.lm_head.weight)
+            logits = F.linear(hidden, _weight(self, "lm_head"))
             logits = logits if scaling is None else logits / scaling
         else:
-            logits = rmsnorm_linear(hidden, _gain(norm, head=True), self.lm_head.weight, _eps(norm))
+            logits = rmsnorm_linear(hidden, _gain(norm, head=True), _weight(self, "lm_head"), _eps(norm))
         if cap is not None:  # as HF rounds it: in the logits' dtype
             logits = torch.tanh(logits / cap) * cap
     else:
         hidden = hidden / scaling if seen and scaling is not None else hidden
-        loss = causal_lm_loss(hidden, self.lm_head.weight, labels, softcap=cap, **loss_kwargs)
+        loss = causal_lm_loss(hidden, _weight(self, "lm_head"), labels, softcap=cap, **loss_kwargs)
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     if moe:
         aux = None
@@ -303,14 +328,22 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 def _check(model: nn.Module) -> list[str]:
     problems = families.problems(getattr(model, "config", None), families.PATCH) + families.foreign_code(model)
-    for what, ok in (("a .model.layers list", hasattr(getattr(model, "model", None), "layers")),
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for what, ok in (("a .model.layers list", layers is not None),
                      ("a .model.norm", hasattr(getattr(model, "model", None), "norm")),
-                     ("an .lm_head", isinstance(getattr(model, "lm_head", None), nn.Linear))):
+                     ("an .lm_head", isinstance(getattr(model, "lm_head", None), nn.Module))):
         if not ok:
             problems.append(f"it has no {what} (a *ForCausalLM model is expected)")
     if hasattr(model, "lm_head") and getattr(model.lm_head, "bias", None) is not None:
         problems.append("lm_head has a bias")
-    return problems
+    read = [("lm_head", getattr(model, "lm_head", None))] + [
+        (f"model.layers.{i}.mlp.{name}", getattr(layer.mlp, name)) for i, layer in enumerate(layers or [])
+        if hasattr(getattr(layer, "mlp", None), "down_proj") for name in _MLP_PROJECTIONS
+        if getattr(layer.mlp, name, None) is not None]
+    unread = [f"{where} {problem}" for where, module in read if module is not None
+              for problem in [_linear_problem(module)] if problem is not None]
+    more = f" (and {len(unread) - 1} more projections)" if len(unread) > 1 else ""
+    return problems + ([f"{unread[0]}{more}: {_READS_WEIGHTS}"] if unread else [])
 
 
 def patch(model: nn.Module) -> nn.Module:
@@ -357,7 +390,7 @@ def patch(model: nn.Module) -> nn.Module:
         norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_passthrough, norm)
         object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
-        mlp._coda_op = mlp_op
+        mlp._coda_op, mlp._coda_name = mlp_op, f"model.layers.{i}.mlp."
         mlp.forward = types.MethodType(_mlp_forward, mlp)
         swapped += [f"model.layers.{i}.{mlp_norm}+mlp -> coda.ops.{mlp_op.__name__}"]
     norm = model.model.norm
@@ -370,6 +403,7 @@ def patch(model: nn.Module) -> nn.Module:
     norm._coda_forward = types.MethodType(_norm, norm) if gemma else norm.forward
     norm._coda_head = None
     norm.forward = types.MethodType(_final_norm, norm)
+    model._coda_name = ""
     model.forward = types.MethodType(_causal_lm_forward, model)
     swapped += ["model.norm+lm_head -> coda.ops.rmsnorm_linear (logits)",
                 "lm_head+loss -> coda.ops.linear_cross_entropy (labels)"]

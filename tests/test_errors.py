@@ -456,6 +456,14 @@ def test_invalid_input(name: str) -> None:
         gemm_call(kw)
 
 
+def test_mixed_dtypes_under_autocast_say_coda_does_not_autocast() -> None:
+    kw = affine_call()
+    kw["b"] = kw["b"].bfloat16()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16), \
+            pytest.raises(ValueError, match=r"torch.autocast is on, and coda's ops do not autocast"):
+        gemm_call(kw)
+
+
 def test_affine_call_is_valid() -> None:
     """The baseline the cases above break one thing of is itself accepted."""
     kw = affine_call()

@@ -408,6 +408,47 @@ def test_patch_shows_hf_hidden_states_and_base_model_output(model_type: str) -> 
                 assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * abs(ref.loss.item())
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "olmo2", pytest.param("qwen2", marks=pytest.mark.slow),
+                                        pytest.param("exaone4", marks=pytest.mark.slow),
+                                        pytest.param("granite", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_from_hf_under_autocast_is_the_model_in_that_dtype(model_type: str, checkpointed: bool) -> None:
+    """Under torch.autocast with fp32 parameters (transformers' Trainer with bf16=True on an fp32 model),
+    coda's model computes exactly what the same model with bf16 parameters computes, recomputed
+    layers too, and the fp32 parameters get those gradients."""
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type])
+    ours = coda.models.from_hf(hf, checkpoint=checkpointed).train()
+    ref = coda.models.from_hf(copy.deepcopy(hf).to(torch.bfloat16), checkpoint=checkpointed).train()
+    ids, labels = batch()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = ours(ids, labels=labels).loss
+    loss.backward()
+    ref_loss = ref(ids, labels=labels).loss
+    ref_loss.backward()
+    assert loss.item() == ref_loss.item()
+    for (name, p), r in zip(ours.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, r.grad.float()), name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "olmo2", pytest.param("phi3", marks=pytest.mark.slow),
+                                        pytest.param("granite", marks=pytest.mark.slow)])
+def test_patch_under_autocast_is_within_hf_autocast_error(model_type: str) -> None:
+    """Under torch.autocast with fp32 parameters, the patched MLP and LM head take the autocast dtype
+    (as HF's nn.Linear layers would) and the step is no further off HF's fp32 step than HF's own
+    under autocast (test_patch_bf16_error_is_within_hf_bf16_error's bound)."""
+    hf32 = hf_model(model_type, **PATCH_CASES[model_type])
+    hf32.to(torch.bfloat16).float()
+    model = patched(hf32)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        assert model.model.layers[0].mlp(torch.randn(2, SEQ, SHAPE["hidden_size"], device=DEVICE)).dtype == torch.bfloat16
+        (hf_loss, hf), (loss, ours) = run(copy.deepcopy(hf32)), run(model)
+    ref_loss, ref = run(hf32)
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
+    for name, g in ref.items():
+        hf_err, err = rel(hf[name], g), rel(ours[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda under autocast {err:.3g} vs HF's {hf_err:.3g}"
+
+
 def loss_arguments(form: str) -> dict:
     """transformers' loss arguments, each moving the loss away from the labels' own: targets the caller
     shifted (sequence-parallel trainers), those with another ignore value, a token count from outside

@@ -63,6 +63,7 @@ from ..ops.rmsnorm_linear import rmsnorm_linear
 from ..ops.rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
 from ..ops.swiglu_mlp import swiglu_mlp
 from . import families
+from .autocast import autocast_dtype, cast
 from .lm_loss import causal_lm_loss
 
 log = logging.getLogger("coda")
@@ -136,13 +137,21 @@ def _gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return _weight(mlp, "gate_proj"), _weight(mlp, "up_proj")
 
 
+def _autocast(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The operands of a fused op that HF computes with nn.Linear, in torch.autocast's dtype where it
+    is on (as the Linear would cast them: autocast.py)."""
+    dtype = autocast_dtype(tensors[0].device)
+    return [cast(t, dtype) for t in tensors]
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
-    return self._coda_op(x, _gain(norm), *_gate_up(self), _weight(self, "down_proj"), _eps(norm))
+    x, gate, up, down = _autocast(x, *_gate_up(self), _weight(self, "down_proj"))
+    return self._coda_op(x, _gain(norm), gate, up, down, _eps(norm))
 
 
 def _olmo2_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return swiglu_mlp(x, *_gate_up(self), _weight(self, "down_proj"))
+    return swiglu_mlp(*_autocast(x, *_gate_up(self), _weight(self, "down_proj")))
 
 
 def _patch_olmo2_layer(i: int, layer: nn.Module) -> list[str]:
@@ -303,12 +312,13 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             logits = F.linear(hidden, _weight(self, "lm_head"))
             logits = logits if scaling is None else logits / scaling
         else:
-            logits = rmsnorm_linear(hidden, _gain(norm, head=True), _weight(self, "lm_head"), _eps(norm))
+            hidden, head = _autocast(hidden, _weight(self, "lm_head"))
+            logits = rmsnorm_linear(hidden, _gain(norm, head=True), head, _eps(norm))
         if cap is not None:  # as HF rounds it: in the logits' dtype
             logits = torch.tanh(logits / cap) * cap
     else:
         hidden = hidden / scaling if seen and scaling is not None else hidden
-        loss = causal_lm_loss(hidden, _weight(self, "lm_head"), labels, softcap=cap, **loss_kwargs)
+        loss = causal_lm_loss(*_autocast(hidden, _weight(self, "lm_head")), labels, softcap=cap, **loss_kwargs)
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     if moe:
         aux = None

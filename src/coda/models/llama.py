@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, split_gate_up
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
+from .autocast import autocast_dtype, call_cast, cast
 from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, rotary_dim, supported
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
@@ -349,11 +350,15 @@ class LlamaLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, qkv: torch.Tensor, pos: torch.Tensor, batch: int, seq: int,
                 final_norm: torch.Tensor | None = None, mask: AttentionMask | None = None,
-                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                q_scale: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x_{i+1}, qkv_{i+1}); for the last layer (final norm output, None), `final_norm` being
         the model's norm weight (a root parameter, gathered for the whole step under FSDP2).
         `mask`: this layer's attention mask (masks.py; None: causal); `q_scale`: each token's query
-        scale (LlamaConfig.query_scale; None: 1)."""
+        scale (LlamaConfig.query_scale; None: 1); `dtype`: torch.autocast's, to which the layer casts
+        its parameters for the call (inside a checkpoint's recomputation too: autocast.py)."""
+        if dtype is not None and any(p.dtype != dtype for p in self.parameters()):
+            return call_cast(self, dtype, (x, qkv, pos, batch, seq, final_norm, mask, q_scale), {})
         c = self.config
         attn = self._attention(qkv, batch, seq, mask, q_scale)
         if self.next_w_qkv is None and final_norm is None:
@@ -646,6 +651,17 @@ class LlamaForCausalLM(nn.Module):
         if labels is None and shift_labels is not None:
             raise ValueError("shift_labels needs labels: as in transformers, the loss is computed only when "
                              "labels are given (pass both)")
+        loss_args = dict(shift_labels=shift_labels, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
+        dtype = autocast_dtype(input_ids.device)
+        if dtype is None:
+            return self._forward(input_ids, labels, position_ids, attention_mask, loss_args, None)
+        with torch.autocast(input_ids.device.type, enabled=False):  # (autocast.py)
+            return self._forward(input_ids, labels, position_ids, attention_mask, loss_args, dtype)
+
+    def _forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 attention_mask: torch.Tensor | None, loss_args: dict, dtype: torch.dtype | None) -> CausalLMOutput:
+        """forward's body; `dtype`: torch.autocast's, to which the model's own parameters are cast here
+        and each layer's by the layer (None: as they are)."""
         c = self.config
         batch, seq = input_ids.shape
         docs = None
@@ -660,15 +676,16 @@ class LlamaForCausalLM(nn.Module):
         # Flash's variable-length kernel where it applies: not under capped scores, and with documents
         # only outside compilation (their starts have a data-dependent count).
         sequences = (c.attn_softcap is None and (docs is None or not torch.compiler.is_compiling())
-                     and varlen_applies(input_ids.device, self.embed_tokens.dtype, c.dim_per_head))
+                     and varlen_applies(input_ids.device, dtype or self.embed_tokens.dtype, c.dim_per_head))
         masks = build_all(batch, seq, input_ids.device, padding=pad, docs=docs, sequences=sequences,
                           windows={c.window(i) for i in range(c.num_hidden_layers)})
-        x = F.embedding(input_ids.reshape(-1), self.embed_tokens, padding_idx=c.pad_token_id)
+        embed = cast(self.embed_tokens, dtype)
+        x = F.embedding(input_ids.reshape(-1), embed, padding_idx=c.pad_token_id)
         if c.gemma:  # HF's scale: sqrt(D) as an fp32 number, rounded to the embedding's dtype
             x = x * torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
         elif c.embedding_multiplier is not None:  # Granite's, as HF: a Python number (products in fp32, one rounding)
             x = x * c.embedding_multiplier
-        attn_norm, w_qkv, b_qkv, q_norm, k_norm = self._attn_params(0)
+        attn_norm, w_qkv, b_qkv, q_norm, k_norm = (None if t is None else cast(t, dtype) for t in self._attn_params(0))
         g_attn, g_q, g_k = c.gains(attn_norm, q_norm, k_norm)
         qkv = qkv_segment(c, 0, x, pos, g_attn, w_qkv, b_qkv, g_q, g_k)
         q_scale = None
@@ -676,22 +693,22 @@ class LlamaForCausalLM(nn.Module):
         if c.query_scale is not None and (position_ids is not None or seq > c.query_scale[1]):
             beta, context = c.query_scale
             q_scale = (1 + beta * torch.log(1 + torch.floor(pos / context))).to(x.dtype)
+        norm = cast(self.norm, dtype)
         for i, layer in enumerate(self.layers):
             mask = masks[c.window(i)]
             # The layer is called as a module (inside the checkpoint too), so FSDP2's hooks gather its
             # parameters for the forward and again for the recomputation in backward.
             if self.checkpoint and self.training and torch.is_grad_enabled():
-                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, self.norm, mask, q_scale, use_reentrant=False)
+                x, qkv = checkpoint(layer, x, qkv, pos, batch, seq, norm, mask, q_scale, dtype, use_reentrant=False)
             else:
-                x, qkv = layer(x, qkv, pos, batch, seq, self.norm, mask, q_scale)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
+                x, qkv = layer(x, qkv, pos, batch, seq, norm, mask, q_scale, dtype)
+        head = embed if self.lm_head is None else cast(self.lm_head, dtype)
         if labels is None:
             logits = F.linear(x, head).view(batch, seq, -1)
             if c.final_softcap is not None:  # as HF rounds it: in the logits' dtype
                 logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
             return CausalLMOutput(logits=logits)
-        return CausalLMOutput(loss=causal_lm_loss(x, head, labels, shift_labels=shift_labels, ignore_index=ignore_index,
-                                                  num_items_in_batch=num_items_in_batch, softcap=c.final_softcap))
+        return CausalLMOutput(loss=causal_lm_loss(x, head, labels, softcap=c.final_softcap, **loss_args))
 
 
 def from_hf(hf_model: nn.Module, *, checkpoint: bool = False) -> LlamaForCausalLM:

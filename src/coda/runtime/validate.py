@@ -93,7 +93,9 @@ def validate(
     a = _check_matrix("a", a)
     b = _check_matrix("b", b)
     if a.dtype != b.dtype:
-        raise ValueError(f"coda.gemm: a is {a.dtype} but b is {b.dtype}; both must have one dtype")
+        hint = (" (torch.autocast is on, and coda's ops do not autocast: cast the operands to its dtype; "
+                "coda.models and coda.patch do)" if torch.is_autocast_enabled(a.device.type) else "")
+        raise ValueError(f"coda.gemm: a is {a.dtype} but b is {b.dtype}; both must have one dtype{hint}")
     check_device("a", a, a.device, interpret)
     check_device("b", b, a.device, interpret)
     (m, k), (k2, n) = a.shape, b.shape

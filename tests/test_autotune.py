@@ -228,12 +228,21 @@ def test_default_is_timed_first(fake_measure: list[Config]) -> None:
     assert fake_measure[:2] == [default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)] * 2  # build, time
 
 
-@pytest.mark.parametrize("speed, kept", [(0.98, False), (0.97001, False), (0.969, True), (0.5, True)])
+@pytest.mark.parametrize("speed, kept, said", [
+    (1.2, False, r"the default stays, the fastest timed: 1\.0000 ms; the next, .*, 1\.2000 ms \("),
+    (0.98, False, r"the default stays: .*, the fastest in the search, took 0\.9800 ms against the default's "
+                  r"1\.0000 ms timed in turns, not 3% faster \("),
+    (0.97001, False, r"the default stays: .* took 0\.9700 ms"),
+    (0.969, True, r"kept .*: 0\.9690 ms against the default's 1\.0000 ms \("),
+    (0.5, True, r"kept .*: 0\.5000 ms against the default's 1\.0000 ms \(")])
 def test_a_winner_must_beat_the_default_by_the_margin(fake_measure: list[Config], monkeypatch: pytest.MonkeyPatch,
-                                                      speed: float, kept: bool) -> None:
+                                                      capsys: pytest.CaptureFixture, speed: float, kept: bool,
+                                                      said: str) -> None:
     """Every other config takes `speed` times the default's time: it is kept only if that is more
-    than 3% faster; otherwise the entry records that the default stays, and a later call reads it."""
+    than 3% faster; otherwise the entry records that the default stays, and a later call reads it.
+    The last line says which and against what."""
     default = default_config(swiglu.graph, "bfloat16", False, 8192, 16384, 2048)
+    monkeypatch.delenv("CODA_TUNE_QUIET", raising=False)
     monkeypatch.setattr(autotune, "measure", lambda fn: (fn(), 1.0 if fake_measure[-1] == default else speed)[1])
     cfg = choose(fake_measure)
     entry = autotune.load_entry(key())
@@ -242,6 +251,7 @@ def test_a_winner_must_beat_the_default_by_the_margin(fake_measure: list[Config]
         assert cfg != default and entry.config == cfg and entry.ms == speed
     else:
         assert cfg == default and entry.config is None and entry.ms == 1.0
+    assert re.search(said, capsys.readouterr().err.splitlines()[-1])
     fake_measure.clear()
     assert choose(fake_measure) == cfg and fake_measure == []  # read from the cache, nothing timed
 

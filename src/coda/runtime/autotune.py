@@ -272,32 +272,44 @@ def tune(
     best = min(timings, key=timings.get)
     bench([v for v in group_variants(best, key.m_bucket) if v not in timings and v not in spilling])
     best = min(timings, key=timings.get)
-    config, ms, default_ms = _decide(best, timings, default, again)
+    config, ms, default_ms, best_ms = _decide(best, timings, default, again)
     entry = TuneEntry(key=key, config=config, ms=ms, default_ms=default_ms, candidates=len(timings))
     store_entry(entry)
     seconds = time.time() - t0
     SESSION.tuned.append((graph.name, entry, seconds))
-    kept = "the default stays" if entry.config is None else f"kept {label(best)}"
-    _say(f"{kept}: {entry.ms:.4f} ms against the default's "
-         f"{'-' if entry.default_ms is None else f'{entry.default_ms:.4f}'} ms ({seconds:.0f} s, {len(timings)} timed)")
+    _say(f"{_outcome(entry, best, best_ms, timings, default)} ({seconds:.0f} s, {len(timings)} timed)")
     return entry
 
 
-def _decide(best: Config, timings: dict[Config, float], default: Config | None,
-            again: dict[Config, Callable[[], object]]) -> tuple[Config | None, float, float | None]:
-    """(config kept or None for the default, its ms, the default's ms): the default stays unless
-    `best`, timed alternately with it (so that a clock drifting over the search favours
-    neither), is MARGIN faster."""
-    if default is None or default not in timings:  # no baseline: the default cannot run here
-        return best, timings[best], None
+def _outcome(entry: TuneEntry, best: Config, best_ms: float, timings: dict[Config, float],
+             default: Config | None) -> str:
+    """The tuning's result in a sentence: what runs from now on, and against what."""
+    if entry.config is not None:
+        against = "no default fits this call" if entry.default_ms is None else f"the default's {entry.default_ms:.4f} ms"
+        return f"kept {label(best)}: {entry.ms:.4f} ms against {against}"
     if best == default:
-        return None, timings[default], timings[default]
+        others = sorted((c for c in timings if c != default), key=timings.get)
+        nearest = f"; the next, {label(others[0])}, {timings[others[0]]:.4f} ms" if others else ""
+        return f"the default stays, the fastest timed: {entry.ms:.4f} ms{nearest}"
+    return (f"the default stays: {label(best)}, the fastest in the search, took {best_ms:.4f} ms against the "
+            f"default's {entry.default_ms:.4f} ms timed in turns, not {MARGIN:.0%} faster")
+
+
+def _decide(best: Config, timings: dict[Config, float], default: Config | None,
+            again: dict[Config, Callable[[], object]]) -> tuple[Config | None, float, float | None, float]:
+    """(config kept or None for the default, its ms, the default's ms, best's ms): the default
+    stays unless `best`, timed alternately with it (so that a clock drifting over the search
+    favours neither), is MARGIN faster."""
+    if default is None or default not in timings:  # no baseline: the default cannot run here
+        return best, timings[best], None, timings[best]
+    if best == default:
+        return None, timings[default], timings[default], timings[default]
     pairs = [(measure(again[default]), measure(again[best])) for _ in range(DUEL_ROUNDS)]
     default_ms = sorted(d for d, _ in pairs)[DUEL_ROUNDS // 2]
     best_ms = sorted(b for _, b in pairs)[DUEL_ROUNDS // 2]
     if best_ms < default_ms * (1 - MARGIN):
-        return best, best_ms, default_ms
-    return None, default_ms, default_ms
+        return best, best_ms, default_ms, best_ms
+    return None, default_ms, default_ms, best_ms
 
 
 def _baseline(graph: Graph, in_dtype: str, m: int, n: int, k: int, backend: str,

@@ -1,6 +1,7 @@
-"""How whole models are compared with transformers in fp32 (test_families, test_attention_masks):
-one training step of coda's model or patched model against HF's own fp32 step, both measured from
-HF's fp64 step, with the bounds fp32 rounding allows; and what the tests that draw their cases share."""
+"""How whole models are compared with transformers: in fp32 (test_families, test_attention_masks), one
+training step of coda's model or patched model against HF's own fp32 step, both measured from HF's
+fp64 step, with the bounds fp32 rounding allows; in bf16 or under autocast, against HF's own error in
+that precision; and what the tests that draw their cases share."""
 
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ def assert_step_like_hf(hf: torch.nn.Module, convert: Callable[[torch.nn.Module]
         for name in off:
             err = (ours[1][name] - hf64[1][name]).norm().item()
             assert err < 1e-5 * terms[name], f"{off[name]}; {err:.3g} against its terms' {terms[name]:.3g}"
+
+
+def assert_within_hf_low_precision_error(ref: tuple, hf: tuple, ours: tuple, what: str = "bf16") -> None:
+    """coda's step in low precision (bf16 weights, or autocast) no further off transformers' fp32 step
+    on the same rounded weights than transformers' own run in that precision: twice HF's error plus a
+    bf16 ulp (the two round at different points), for the loss and every gradient. Each argument:
+    (loss, {HF name: gradient}) of one step; `what` names the precision in the message."""
+    (ref_loss, ref_grads), (hf_loss, hf_grads_), (loss, grads) = ref, hf, ours
+    ref_loss, hf_loss, loss = float(ref_loss), float(hf_loss), float(loss)
+    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss), \
+        f"loss: coda {what} {loss} vs HF {what} {hf_loss} (fp32: {ref_loss})"
+    for name, g in ref_grads.items():
+        hf_err, err = rel(hf_grads_[name], g), rel(grads[name], g)
+        assert err <= 2 * hf_err + 2**-8, f"{name}: coda {what} {err:.3g} vs HF {what} {hf_err:.3g}"
 
 
 def nudged_errors(hf: torch.nn.Module, convert: Callable[[torch.nn.Module], torch.nn.Module],

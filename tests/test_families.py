@@ -24,7 +24,8 @@ import coda  # noqa: E402
 from coda.models import families  # noqa: E402
 from coda.models.families import FROM_HF, PATCH  # noqa: E402
 from conftest import DEVICE, attention, rel, token_batch  # noqa: E402
-from hf_reference import assert_step_like_hf, grads_of, redraw_per_layer  # noqa: E402
+from hf_reference import (assert_step_like_hf, assert_within_hf_low_precision_error, grads_of,  # noqa: E402
+                          redraw_per_layer)
 
 VOCAB, SEQ = 96, 8
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -447,12 +448,8 @@ def test_patch_under_autocast_is_within_hf_autocast_error(model_type: str) -> No
     model = patched(hf32)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         assert model.model.layers[0].mlp(torch.randn(2, SEQ, SHAPE["hidden_size"], device=DEVICE)).dtype == torch.bfloat16
-        (hf_loss, hf), (loss, ours) = run(copy.deepcopy(hf32)), run(model)
-    ref_loss, ref = run(hf32)
-    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
-    for name, g in ref.items():
-        hf_err, err = rel(hf[name], g), rel(ours[name], g)
-        assert err <= 2 * hf_err + 2**-8, f"{name}: coda under autocast {err:.3g} vs HF's {hf_err:.3g}"
+        hf, ours = run(copy.deepcopy(hf32)), run(model)
+    assert_within_hf_low_precision_error(run(hf32), hf, ours, "under autocast")
 
 
 def loss_arguments(form: str) -> dict:
@@ -579,12 +576,7 @@ def test_from_hf_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     hf32.to(torch.bfloat16).float()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     model = coda.models.from_hf(hf16)
-    (ref_loss, ref), (hf_loss, hf) = run(hf32), run(hf16)
-    loss, ours = run(model)
-    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
-    for name, g in ref.items():
-        hf_err, err = rel(hf[name], g), rel(ours[name], g)
-        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+    assert_within_hf_low_precision_error(run(hf32), run(hf16), run(model))
 
 
 @pytest.mark.parametrize("model_type", quick_or_slow(["gemma", "gemma3_text", "gemma2", "phi3", "olmo2", "olmo3",
@@ -809,11 +801,7 @@ def test_patch_bf16_error_is_within_hf_bf16_error(model_type: str) -> None:
     if model_type == "gpt_oss":
         assert hf16.model.norm.weight.dtype == torch.float32
     model = coda.patch(copy.deepcopy(hf16))
-    (ref_loss, ref), (hf_loss, hf), (loss, ours) = run(hf32), run(hf16), run(model)
-    assert abs(loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2**-8 * abs(ref_loss)
-    for name, g in ref.items():
-        hf_err, err = rel(hf[name], g), rel(ours[name], g)
-        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+    assert_within_hf_low_precision_error(run(hf32), run(hf16), run(model))
 
 
 def test_remote_code_is_refused_and_auto_map_alone_is_not() -> None:

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from coda.models import LlamaForCausalLM  # noqa: E402
 from conftest import DEVICE, rel  # noqa: E402
-from hf_reference import hf_grads  # noqa: E402
+from hf_reference import assert_within_hf_low_precision_error, hf_grads  # noqa: E402
 
 VOCAB, SEQ = 96, 8
 # With head_dim 8 the four RoPE wavelengths (6, 63, 628, 6283) fall one below high_wavelen (kept), one
@@ -157,12 +157,7 @@ def test_bf16_error_is_within_hf_bf16_error() -> None:
     out = model(ids, labels=labels)
     out.loss.backward()
     runs["coda"] = (out.loss.detach().float(), {k: v.float() for k, v in model.to_hf_state_dict(grads=True).items()})
-    ref_loss, ref_grads = runs["ref"]
-    hf_loss_err = abs(runs["hf"][0] - ref_loss).item()
-    assert abs(runs["coda"][0] - ref_loss).item() <= 2 * hf_loss_err + 2**-8 * abs(ref_loss.item())
-    for name, g in ref_grads.items():
-        hf_err, coda_err = rel(runs["hf"][1][name], g), rel(runs["coda"][1][name], g)
-        assert coda_err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {coda_err:.3g} vs HF bf16 {hf_err:.3g}"
+    assert_within_hf_low_precision_error(runs["ref"], runs["hf"], runs["coda"])
 
 
 def test_unsupported_configs_are_refused_clearly() -> None:

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import coda  # noqa: E402
 from conftest import DEVICE, rel, token_batch  # noqa: E402
-from hf_reference import hf_grads  # noqa: E402
+from hf_reference import assert_within_hf_low_precision_error, hf_grads  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 # Layer 1 slides (window 4 < SEQ); head_dim 16 (q width 64, not hidden_size: Qwen3's o_proj maps it back).
@@ -94,12 +94,7 @@ def test_bf16_error_is_within_hf_bf16_error() -> None:
     hf32.to(torch.bfloat16).float()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     model = coda.models.from_hf(hf16)
-    (ref_loss, ref), (hf_loss, hf) = step(hf32), step(hf16)
-    loss, ours = step(model)
-    assert abs(loss.float() - ref_loss) <= 2 * abs(hf_loss.float() - ref_loss) + 2**-8 * abs(ref_loss)
-    for name, g in ref.items():
-        hf_err, err = rel(hf[name].float(), g), rel(ours[name].float(), g)
-        assert err <= 2 * hf_err + 2**-8, f"{name}: coda bf16 {err:.3g} vs HF bf16 {hf_err:.3g}"
+    assert_within_hf_low_precision_error(step(hf32), step(hf16), step(model))
 
 
 @pytest.mark.slow

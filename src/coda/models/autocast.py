@@ -28,11 +28,9 @@ def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)
 
 
-def call_cast(module: nn.Module, dtype: torch.dtype, args: tuple, kwargs: dict[str, Any],
-              recurse: bool = True) -> Any:
-    """module(*args, **kwargs) with its floating parameters (with `recurse` False, only those it holds
-    itself) cast to `dtype` and autocast off for the call. The caller's forward is re-entered with
-    autocast off: it must then take the plain path."""
-    params = {name: cast(p, dtype) for name, p in module.named_parameters(recurse=recurse)}
+def call_cast(module: nn.Module, dtype: torch.dtype, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """module(*args, **kwargs) with its floating parameters cast to `dtype` and autocast off for the
+    call. The caller's forward is re-entered with autocast off: it must then take the plain path."""
+    params = {name: cast(p, dtype) for name, p in module.named_parameters()}
     with torch.autocast(next(iter(module.parameters())).device.type, enabled=False):
         return torch.func.functional_call(module, params, args, kwargs)

@@ -121,10 +121,11 @@ def _linear_problem(module: object) -> str | None:
 
 def _weight(owner: nn.Module, name: str) -> torch.Tensor:
     """owner.<name>.weight, checked on every call (adapters are often added after patching)."""
-    problem = _linear_problem(getattr(owner, name))
+    module = getattr(owner, name)
+    problem = _linear_problem(module)
     if problem is not None:
         raise TypeError(f"coda.patch: {owner._coda_name}{name} {problem}: {_READS_WEIGHTS}")
-    return getattr(owner, name).weight
+    return module.weight
 
 
 def _gate_up(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -187,6 +187,65 @@ def test_adapted_attention_projections_stay_hf() -> None:
     assert rel(ours(input_ids=ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss) < 1e-5
 
 
+class ForeignNorm(torch.nn.Module):
+    """A stand-in for another library's norm class (Liger-Kernel's LigerRMSNorm holds its eps under
+    another name and computes with its own code)."""
+
+    __module__ = "liger_kernel.transformers.rms_norm"
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight
+
+
+@pytest.mark.parametrize("where", ["model.layers.1.input_layernorm", "model.layers.0.post_attention_layernorm",
+                                   "model.norm"])
+def test_other_libraries_modules_are_refused(where: str) -> None:
+    """A module coda rewrites (patch) or reads (from_hf) whose class is another library's computes what
+    that library's code says: refused by name, saying what to do, never half rewritten."""
+    hf = hf_model("llama")
+    owner, name = where.rsplit(".", 1)
+    hf.get_submodule(owner).register_module(name, ForeignNorm(hf.get_submodule(where)))
+    message = rf"{where} is a liger_kernel\.transformers\.rms_norm\.ForeignNorm, not transformers' .*use one of the two"
+    with pytest.raises(TypeError, match=message):
+        coda.patch(hf)
+    assert not getattr(hf, "coda_patched", None) and "forward" not in hf.model.layers[0].mlp.__dict__
+    with pytest.raises(ValueError, match=message):
+        coda.models.from_hf(hf)
+
+
+def test_a_norm_hooked_or_replaced_after_patching_is_refused_or_left_to_hf() -> None:
+    """The norm in front of the MLP passes its input through (the fused MLP applies it): a forward hook
+    on it, or its forward replaced after patching (Liger-Kernel's instance patch), is refused on the
+    call. The final norm is deferred to the LM head only while nothing else sees it: with a hook or a
+    replaced forward the head reads the norm module's output, so loss and logits stay HF's."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)
+    for change in (lambda norm: norm.register_forward_hook(lambda *_: None),
+                   lambda norm: setattr(norm, "forward", type(norm).forward.__get__(norm))):
+        model = coda.patch(hf_model("llama"))
+        change(model.model.layers[1].post_attention_layernorm)
+        with pytest.raises(RuntimeError, match=r"model\.layers\.1\.post_attention_layernorm has forward hooks, or "
+                                               r"its forward was replaced .*not both"):
+            model(input_ids=ids, labels=ids)
+    hf = hf_model("llama")
+    want = hf(input_ids=ids, labels=ids).loss, hf(input_ids=ids).logits
+    for change in ("hook", "replaced"):
+        model, seen = coda.patch(hf_model("llama")), []
+        norm = model.model.norm
+        if change == "hook":
+            norm.register_forward_hook(lambda module, args, out: seen.append(out))
+        else:
+            norm.forward = type(norm).forward.__get__(norm)
+        got = model(input_ids=ids, labels=ids).loss, model(input_ids=ids).logits
+        assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5, change
+        if change == "hook":  # the final norm's output, as HF's hook sees it
+            hidden = hf(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+            assert len(seen) == 2 and rel(seen[-1], hidden) < 1e-5
+
+
 GATED = {"swiglu": (coda.ops.rmsnorm_swiglu_mlp, F.silu),
          "geglu": (coda.ops.rmsnorm_geglu_mlp, lambda t: F.gelu(t, approximate="tanh"))}
 

@@ -13,7 +13,7 @@ refused: never a silently different model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -410,6 +410,25 @@ def foreign_code(model: Any) -> list[str]:
         return []
     return [f"{type(model).__name__} (module {type(model).__module__}) is not a transformers model class: coda "
             "checks transformers' own families only (remote code may compute anything)"]
+
+
+def foreign_modules(modules: Iterable[tuple[str, Any]], entry: str) -> list[str]:
+    """The modules (qualified name, module) coda reads or rewrites whose class is not transformers' or
+    torch's own, as one problem: another library's replacement (Liger-Kernel's class patches, an
+    adapter, a quantized layer) computes what its own code says, which coda would not compute."""
+    foreign = [(name, type(module)) for name, module in modules
+               if not type(module).__module__.startswith(("transformers.", "torch."))]
+    if not foreign:
+        return []
+    (name, cls), more = foreign[0], f" (and {len(foreign) - 1} more modules)" if len(foreign) > 1 else ""
+    where = cls.__module__.split(".")[0]
+    fix = {"liger_kernel": "Liger-Kernel's apply_liger_kernel_to_* replaced transformers' classes before this model "
+                           "was built, or patched it; coda replaces the same modules, so use one of the two",
+           "peft": "merge the adapters into the weights first (peft: merge_and_unload())"}.get(
+        where, "build the model from transformers' classes alone")
+    what = "reads these modules' weights" if entry == FROM_HF else "rewrites these modules"
+    return [f"{name} is a {cls.__module__}.{cls.__qualname__}{more}, not transformers' or torch's own class: coda "
+            f"{what} as transformers computes them; {fix}"]
 
 
 def hf_attention(config: Any) -> str:

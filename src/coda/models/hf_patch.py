@@ -145,8 +145,22 @@ def _autocast(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [cast(t, dtype) for t in tensors]
 
 
+def _still_patched(norm: nn.Module, forward: Callable) -> bool:
+    """Whether calling `norm` still runs patch()'s `forward` and nothing else sees its output: its
+    forward not replaced since (Liger-Kernel's instance patch rebinds norms' forwards; transformers'
+    Trainer applies it with use_liger_kernel=True) and no forward hooks."""
+    return getattr(norm.forward, "__func__", None) is forward and not norm._forward_hooks
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     norm = self._coda_norm
+    if not _still_patched(norm, _passthrough):
+        raise RuntimeError(
+            f"coda.patch: {norm._coda_name} has forward hooks, or its forward was replaced after patching (as "
+            "Liger-Kernel's instance patch does; Trainer applies it with use_liger_kernel=True): coda's fused MLP "
+            "applies this norm itself and the norm's own call passes its input through, so a hook would see "
+            "the norm's input and a replaced norm would apply twice. Hook the MLP instead; use coda.patch or "
+            "Liger-Kernel, not both")
     x, gate, up, down = _autocast(x, *_gate_up(self), _weight(self, "down_proj"))
     return self._coda_op(x, _gain(norm), gate, up, down, _eps(norm))
 
@@ -295,7 +309,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     # Returned hidden states end in the final norm's output, which must then be HF's: the LM head
     # reads it as it is (and divides by Granite's scaling after). Otherwise the head's op takes the norm.
     states = kwargs.get("output_hidden_states")
-    seen = bool(self.config.output_hidden_states if states is None else states)
+    # A replaced final norm or a hook on it sees it too (_still_patched): the head then reads its output.
+    seen = bool(self.config.output_hidden_states if states is None else states) or not _still_patched(norm, _final_norm)
     norm._coda_head = None if seen else "logits" if labels is None else "loss"
     try:
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -337,6 +352,24 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     return out if return_dict is not False else out.to_tuple()
 
 
+def _rewritten(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward patch() rebinds or whose parameters coda's ops read (qualified
+    names): each layer's norms, attention (its class's forward is reused), q and k norms and dense
+    MLP, and the final norm. (The projections coda reads are checked as plain Linears: _linear_problem.)"""
+    names = families.FAMILIES[model.config.model_type].norms
+    found = []
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        own = [(name, getattr(layer, name)) for name in (names.attn_in, names.attn_out, names.mlp_in, names.mlp_out)
+               if name is not None and hasattr(layer, name)]
+        own += [(f"self_attn.{name}", getattr(attn, name)) for name in ("q_norm", "k_norm")
+                if getattr(attn, name, None) is not None]
+        own += [("self_attn", attn)] if attn is not None else []
+        own += [("mlp", mlp)] if hasattr(mlp, "down_proj") else []
+        found += [(f"model.layers.{i}.{name}", module) for name, module in own]
+    return found + [("model.norm", model.model.norm)]
+
+
 def _check(model: nn.Module) -> list[str]:
     problems = families.problems(getattr(model, "config", None), families.PATCH) + families.foreign_code(model)
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -354,7 +387,10 @@ def _check(model: nn.Module) -> list[str]:
     unread = [f"{where} {problem}" for where, module in read if module is not None
               for problem in [_linear_problem(module)] if problem is not None]
     more = f" (and {len(unread) - 1} more projections)" if len(unread) > 1 else ""
-    return problems + ([f"{unread[0]}{more}: {_READS_WEIGHTS}"] if unread else [])
+    problems += [f"{unread[0]}{more}: {_READS_WEIGHTS}"] if unread else []
+    if problems:  # (the family and the model's layout are known to fit from here on)
+        return problems
+    return families.foreign_modules(_rewritten(model, layers), families.PATCH)
 
 
 def patch(model: nn.Module) -> nn.Module:
@@ -400,6 +436,7 @@ def patch(model: nn.Module) -> nn.Module:
             continue
         norm._coda_unit_offset = gemma
         norm.forward = types.MethodType(_passthrough, norm)
+        norm._coda_name = f"model.layers.{i}.{mlp_norm}"
         object.__setattr__(mlp, "_coda_norm", norm)  # a plain attribute, not a submodule: names stay
         mlp._coda_op, mlp._coda_name = mlp_op, f"model.layers.{i}.mlp."
         mlp.forward = types.MethodType(_mlp_forward, mlp)

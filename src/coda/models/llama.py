@@ -30,7 +30,8 @@ from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, 
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
 from .autocast import autocast_dtype, call_cast, cast
-from .families import FAMILIES, FROM_HF, Family, foreign_code, hf_attention, problems, rotary_dim, supported
+from .families import (FAMILIES, FROM_HF, Family, foreign_code, foreign_modules, hf_attention, problems, rotary_dim,
+                       supported)
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
 from .lm_loss import causal_lm_loss
@@ -508,7 +509,8 @@ class LlamaForCausalLM(nn.Module):
         into coda's layouts (same dtype and device). ValueError naming the model_type or the field
         for anything coda would compute differently."""
         config = LlamaConfig.from_hf(getattr(hf_model, "config", None))
-        foreign = foreign_code(hf_model)
+        foreign = foreign_code(hf_model) + foreign_modules(
+            ((name, module) for name, module in hf_model.named_modules() if name), FROM_HF)
         if foreign:
             raise ValueError("coda.models.from_hf: " + "; ".join(foreign))
         if not isinstance(getattr(hf_model, "lm_head", None), nn.Linear) or hf_model.lm_head.bias is not None:

@@ -13,7 +13,9 @@ weights after the two steps must be bit-identical:
 * AdamW (foreach=False on both sides) is elementwise, so a shard's update is the full tensor's
   restricted to it.
 With MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the reference does the same in a bf16
-copy of its fp32 weights and accumulates the per-batch gradients in fp32, as FSDP2 does.
+copy of its fp32 weights and accumulates the per-batch gradients in fp32, as FSDP2 does. Under
+`torch.autocast` (bf16) with fp32 parameters and no FSDP2 policy, both sides run the same bf16 kernels
+on casts of the same fp32 weights, and the gradients reach the fp32 parameters.
 Last, bench/tools/train_fsdp.py --tiny under torchrun (2 ranks), whose own reference must agree exactly too.
 """
 
@@ -40,7 +42,12 @@ pytestmark = pytest.mark.skipif(numpy.lib.NumpyVersion(numpy.__version__) >= "2.
 CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0)
 STEPS, BATCH, SEQ = 2, 1, 16  # BATCH sequences per rank and step
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "autocast": torch.float32}  # (autocast: fp32 parameters)
+
+
+def autocast(dtype: str):
+    """torch.autocast in bf16 for the "autocast" runs (a no-op context otherwise)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast")
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -89,7 +96,9 @@ def run_sharded(world: int, tied: bool, checkpoint: bool, dtype: str, store: str
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = make_model(tied, checkpoint)
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+    # (under autocast no policy: FSDP2 would cast the layers' bf16 inputs to a param_dtype it is given)
+    mp = MixedPrecisionPolicy() if dtype == "autocast" else MixedPrecisionPolicy(param_dtype=DTYPES[dtype],
+                                                                                 reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -98,7 +107,8 @@ def run_sharded(world: int, tied: bool, checkpoint: bool, dtype: str, store: str
     losses = []
     for step in range(STEPS):
         ids, labels = batch(step, rank)
-        loss = model(ids, labels=labels).loss
+        with autocast(dtype):
+            loss = model(ids, labels=labels).loss
         loss.backward()
         assert all(isinstance(p.grad, DTensor) for p in model.parameters())  # reduce-scattered by FSDP2
         opt.step()
@@ -123,7 +133,8 @@ def run_reference(world: int, tied: bool, checkpoint: bool, dtype: str, out: Pat
         grads = [torch.zeros_like(p) for p in master.parameters()]
         for r in range(world):
             ids, labels = batch(step, r)
-            loss = work(ids, labels=labels).loss
+            with autocast(dtype):
+                loss = work(ids, labels=labels).loss
             loss.backward()
             for acc, w in zip(grads, work.parameters()):
                 acc += w.grad.float()
@@ -184,6 +195,13 @@ def test_one_rank_sharded_equals_unsharded_fp32(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_two_ranks_bf16_params_fp32_reduce_equal_reference(tmp_path: Path) -> None:
     _check(_launch(tmp_path, 2, tied=False, checkpoint=False, dtype="bf16"), 2, tied=False)
+
+
+@pytest.mark.slow
+def test_two_ranks_under_autocast_equal_reference(tmp_path: Path) -> None:
+    """transformers' Trainer with bf16=True on fp32 weights: autocast around FSDP2's forward, checkpointed
+    (the recomputation casts the gathered weights again)."""
+    _check(_launch(tmp_path, 2, tied=True, checkpoint=True, dtype="autocast"), 2, tied=True)
 
 
 @pytest.mark.slow

@@ -3,17 +3,14 @@
 Under autocast, torch casts the operands of each matmul-like op to the autocast dtype (bf16 or fp16)
 while the parameters stay fp32 (mixed precision with fp32 master weights, as transformers' Trainer
 runs `bf16=True` on an fp32 model). coda's fused ops are not autocast ops, and one GEMM takes one
-dtype, so the models cast instead: each module's floating parameters once per call (autograd carries
-the gradients back to the fp32 parameters, as through autocast's casts), its body run with autocast
-off so that every op sees that one dtype.
+dtype, so the models cast instead: each module's floating parameters once per call, read in place in
+its forward (autograd carries the gradients back to the fp32 parameters, as through autocast's
+casts), the body run with autocast off so that every op sees that one dtype.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -26,11 +23,3 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """t in `dtype` where both are floating (None: t as it is)."""
     return t if dtype is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)
-
-
-def call_cast(module: nn.Module, dtype: torch.dtype, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """module(*args, **kwargs) with its floating parameters cast to `dtype` and autocast off for the
-    call. The caller's forward is re-entered with autocast off: it must then take the plain path."""
-    params = {name: cast(p, dtype) for name, p in module.named_parameters()}
-    with torch.autocast(next(iter(module.parameters())).device.type, enabled=False):
-        return torch.func.functional_call(module, params, args, kwargs)

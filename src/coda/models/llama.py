@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.layout import interleave_gate_up, reorder_head_rows, rope_row_order, split_gate_up
 from ..ops.rmsnorm import rmsnorm
 from .attention import attend, varlen_applies
-from .autocast import autocast_dtype, call_cast, cast
+from .autocast import autocast_dtype, cast
 from .families import (FAMILIES, FROM_HF, Family, foreign_code, foreign_modules, hf_attention, problems, rotary_dim,
                        supported)
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
@@ -358,39 +358,40 @@ class LlamaLayer(nn.Module):
         `mask`: this layer's attention mask (masks.py; None: causal); `q_scale`: each token's query
         scale (LlamaConfig.query_scale; None: 1); `dtype`: torch.autocast's, to which the layer casts
         its parameters for the call (inside a checkpoint's recomputation too: autocast.py)."""
-        if dtype is not None and any(p.dtype != dtype for p in self.parameters()):
-            return call_cast(self, dtype, (x, qkv, pos, batch, seq, final_norm, mask, q_scale), {})
+        # The parameters in `dtype`, read here rather than through a re-entered module call
+        # (torch.func.functional_call would run FSDP2's hooks again, which put the gathered fp32 ones back).
+        p = {name: cast(t, dtype) for name, t in self.named_parameters(recurse=False, remove_duplicate=False)}
+        post_attn_norm, ffn_norm, post_ffn_norm = p.get("post_attn_norm"), p.get("ffn_norm"), p.get("post_ffn_norm")
+        w_gate_up, next_w_qkv, next_b_qkv = p["w_gate_up"], p.get("next_w_qkv"), p.get("next_b_qkv")
         c = self.config
         attn = self._attention(qkv, batch, seq, mask, q_scale)
-        if self.next_w_qkv is None and final_norm is None:
+        if next_w_qkv is None and final_norm is None:
             raise ValueError("the last LlamaLayer needs the model's final norm weight")
         # This layer's norm scales (Gemma's 1 + w made together: LlamaConfig.gains); the next layer's
         # input norm and q/k norms, or the final norm after the last layer.
         g_post_attn, g_ffn, g_post_ffn, g_final, g_attn, g_q, g_k = c.gains(
-            self.post_attn_norm, self.ffn_norm, self.post_ffn_norm, final_norm if self.next_w_qkv is None else None,
-            self.next_attn_norm, self.next_q_norm, self.next_k_norm)
+            post_attn_norm, ffn_norm, post_ffn_norm, final_norm if next_w_qkv is None else None,
+            p.get("next_attn_norm"), p.get("next_q_norm"), p.get("next_k_norm"))
         g_final = None if g_final is None else c.final_gain(g_final)
-        wo, w_down = c.residual_weights(self.wo, self.w_down)
+        wo, w_down = c.residual_weights(p["wo"], p["w_down"])
         if c.sandwich or c.post_norm:  # norms on the outputs: row passes, then the next qkv as layer 0's
             if c.post_norm:
-                x2 = post_norm_residual(attn, x, wo, g_post_attn, self.w_gate_up, w_down, g_post_ffn,
-                                        c.rms_norm_eps)
+                x2 = post_norm_residual(attn, x, wo, g_post_attn, w_gate_up, w_down, g_post_ffn, c.rms_norm_eps)
             else:
-                x2 = sandwich_residual(attn, x, wo, g_post_attn, g_ffn, self.w_gate_up, w_down, g_post_ffn,
+                x2 = sandwich_residual(attn, x, wo, g_post_attn, g_ffn, w_gate_up, w_down, g_post_ffn,
                                        c.rms_norm_eps, c.activation)
-            if self.next_w_qkv is None:
+            if next_w_qkv is None:
                 return rmsnorm(x2, g_final, c.rms_norm_eps), None
-            return x2, qkv_segment(c, self.index + 1, x2, pos, g_attn, self.next_w_qkv, self.next_b_qkv, g_q, g_k)
-        if self.next_w_qkv is None:
-            return last_segment(attn, x, wo, g_ffn, self.w_gate_up, w_down, g_final, c.rms_norm_eps,
-                                c.activation), None
+            return x2, qkv_segment(c, self.index + 1, x2, pos, g_attn, next_w_qkv, next_b_qkv, g_q, g_k)
+        if next_w_qkv is None:
+            return last_segment(attn, x, wo, g_ffn, w_gate_up, w_down, g_final, c.rms_norm_eps, c.activation), None
         theta, scaling = c.rope(self.index + 1)
-        w = NativeBlockWeights(wo=wo, g_ffn=g_ffn, w_gate_up=self.w_gate_up, w_down=w_down,
-                               g_attn=g_attn, w_qkv=self.next_w_qkv,
+        w = NativeBlockWeights(wo=wo, g_ffn=g_ffn, w_gate_up=w_gate_up, w_down=w_down,
+                               g_attn=g_attn, w_qkv=next_w_qkv,
                                n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads, eps=c.rms_norm_eps,
                                rope_base=theta, rope_scaling=None if scaling is None else list(scaling),
                                rotary_dim=c.rotary_dim, activation=c.activation,
-                               b_qkv=[] if self.next_b_qkv is None else [self.next_b_qkv],
+                               b_qkv=[] if next_b_qkv is None else [next_b_qkv],
                                qk_norm=[] if g_q is None else [g_q, g_k])
         return block_segment(attn, x, pos, w)
 

@@ -820,6 +820,23 @@ def test_remote_code_is_refused_and_auto_map_alone_is_not() -> None:
         coda.models.from_hf(remote)
 
 
+def test_wrapped_models_are_refused_saying_what_to_pass() -> None:
+    """torch.compile's wrapper, a peft model and a DistributedDataParallel-like wrapper are not the
+    transformers model: each refusal says what to pass instead."""
+    hf = transformers.LlamaForCausalLM(CONFIGS["llama"](**SHAPE))
+    peft_like = type("PeftModel", (torch.nn.Module,), {"__module__": "peft.peft_model"})()
+    ddp_like = type("DistributedDataParallel", (torch.nn.Module,), {"__module__": "torch.nn.parallel.distributed"})()
+    for wrapper in (peft_like, ddp_like):
+        wrapper.module, wrapper.config = hf, hf.config
+    for wrapper, says in ((torch.compile(hf), "torch.compile's wrapper; pass the model itself"),
+                          (peft_like, r"a peft model; merge its adapters \(merge_and_unload\(\)\)"),
+                          (ddp_like, r"it wraps its \.module; pass that")):
+        with pytest.raises(TypeError, match=says):
+            coda.patch(wrapper)
+        with pytest.raises(ValueError, match=says):
+            coda.models.from_hf(wrapper)
+
+
 @st.composite
 def drawn_shapes(draw: st.DrawFn, cases: dict[str, dict]) -> tuple[str, dict, dict, int]:
     """(model_type, shape, fields, seq): one of `cases` at drawn widths, head counts (grouped or

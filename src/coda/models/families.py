@@ -408,8 +408,14 @@ def foreign_code(model: Any) -> list[str]:
     its own files say, which the rules here do not know; a subclass of a transformers class is taken."""
     if any(cls.__module__.startswith("transformers.models.") for cls in type(model).__mro__):
         return []
-    return [f"{type(model).__name__} (module {type(model).__module__}) is not a transformers model class: coda "
-            "checks transformers' own families only (remote code may compute anything)"]
+    what = f"{type(model).__name__} (module {type(model).__module__}) is not a transformers model class"
+    if hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+        return [f"{what}: it is torch.compile's wrapper; pass the model itself, and compile what coda returns"]
+    if type(model).__module__.startswith("peft."):
+        return [f"{what}: it is a peft model; merge its adapters (merge_and_unload()) and pass the merged model"]
+    if type(model).__module__.startswith("torch.") and hasattr(model, "module"):  # DistributedDataParallel, ...
+        return [f"{what}: it wraps its .module; pass that, and wrap what coda returns"]
+    return [f"{what}: coda checks transformers' own families only (remote code may compute anything)"]
 
 
 def foreign_modules(modules: Iterable[tuple[str, Any]], entry: str) -> list[str]:

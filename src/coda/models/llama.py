@@ -510,7 +510,7 @@ class LlamaForCausalLM(nn.Module):
         into coda's layouts (same dtype and device). ValueError naming the model_type or the field
         for anything coda would compute differently."""
         config = LlamaConfig.from_hf(getattr(hf_model, "config", None))
-        foreign = foreign_code(hf_model) + foreign_modules(
+        foreign = foreign_code(hf_model) or foreign_modules(
             ((name, module) for name, module in hf_model.named_modules() if name), FROM_HF)
         if foreign:
             raise ValueError("coda.models.from_hf: " + "; ".join(foreign))

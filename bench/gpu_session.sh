@@ -22,6 +22,8 @@
 #   profile       where the ops' time goes, kernel by kernel (profile_ops.py), 0.5 min
 #   attention     attention over packed documents and sliding windows: SDPA with a mask, flash attention over
 #                 each document, FlexAttention, against SDPA's causal kernel (attention.py), ~3 min
+#   attention_in_step  cuDNN's attention backward inside coda's training step: q/k/v as coda hands them over
+#                 against contiguous copies (attention_in_step.py; ATTENTION_IN_STEP_ARGS, e.g. "--model qwen3-1.7b"), ~2 min
 #   rowwise       the row-pass kernels against torch.add's bandwidth (rowwise_bandwidth.py), ~1 min
 #   step_gaps     a training step's time against its kernels' and the host's, the syncs, a host profile
 #                 (step_gaps.py; STEP_GAPS_ARGS, e.g. "--models gemma3-1b,llama3.2-1b --packed no"), ~1 min a row
@@ -85,6 +87,8 @@ for step in $steps; do
              | tee "$OUT/train.log" | grep '^\[train\]' | tail -40 ;;
     profile) timeout $STEP_TIMEOUT python3 bench/tools/profile_ops.py --out "$OUT" 2>&1 | untuned_lines \
                | tee "$OUT/profile.log" | grep -v Warning | tail -80 ;;
+    attention_in_step) timeout $STEP_TIMEOUT python3 bench/tools/attention_in_step.py --out "$OUT" ${ATTENTION_IN_STEP_ARGS:-} \
+      2>&1 | grep -v Warn | tee "$OUT/attention_in_step.log" | tail -8 ;;
     rowwise) timeout $STEP_TIMEOUT python3 bench/tools/rowwise_bandwidth.py --out "$OUT" 2>&1 | tee "$OUT/rowwise.log" | tail -12 ;;
     step_gaps) timeout $STEP_TIMEOUT python3 bench/tools/step_gaps.py --out "$OUT" ${STEP_GAPS_ARGS:-} 2>&1 \
       | tee "$OUT/step_gaps.log" | tail -20 ;;
@@ -99,7 +103,7 @@ for step in $steps; do
         timeout 100 python3 bench/tools/timeline.py --out "$OUT/timeline_exact" --variant exact_sigmoid \
           --cases rms_swiglu,swiglu_backward_zdz
       } 2>&1 | timeline_rows | tee "$OUT/timeline.log" ;;
-    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, tune, train, profile, rowwise, step_gaps, compile_times, bf16_seeds, timeline)"; exit 2 ;;
+    *) echo "unknown step $step (tests, tests_triton, epilogues, ops, block, first_call, attention, attention_in_step, tune, train, profile, rowwise, step_gaps, compile_times, bf16_seeds, timeline)"; exit 2 ;;
   esac
 done
 # (an if, not `&&`: with no tuning cache the call still exits 0)

@@ -445,3 +445,32 @@ def test_attention_layout_table_compares_each_layout_with_codas() -> None:
     table = attention_layout.table(rows)
     assert "| m | separate projections | token-major | 0.500 | 1.000 | 0.500 |" in table
     assert "| m | separate projections | head-major | 0.500 | 3.000 | 0.750 |" in table
+
+
+def test_attention_in_step_variants_compute_codas_attention() -> None:
+    """bench/tools/attention_in_step.py swaps coda's attention call for copies of q, k and v (and a
+    head-major output gradient): each variant must train the same model, loss and gradients equal."""
+    transformers = pytest.importorskip("transformers")
+    import attention_in_step
+
+    import coda.models.llama as llama
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = llama.from_hf(transformers.LlamaForCausalLM(config).to(DEVICE))
+    ids = torch.randint(0, 64, (2, 8), device=DEVICE)
+    results = {}
+    try:
+        for name, attend in attention_in_step.VARIANTS.items():
+            llama.attend = attend
+            model.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            results[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    finally:
+        llama.attend = attention_in_step.VARIANTS["as_is"]
+    loss, grads = results.pop("as_is")
+    for name, (other, other_grads) in results.items():
+        assert torch.allclose(other, loss, rtol=1e-6, atol=0), name
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(other_grads, grads)), name

@@ -187,6 +187,21 @@ def test_adapted_attention_projections_stay_hf() -> None:
     assert rel(ours(input_ids=ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["llama", GEMMA_SLOW["gemma3_text"]])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_patched_model_trains_under_hf_gradient_checkpointing(kind: str, reentrant: bool) -> None:
+    """transformers' own checkpointing (Trainer's gradient_checkpointing=True) recomputes each decoder
+    layer, coda's ops inside it, in backward: the loss and every gradient stay the unpatched model's."""
+    ref = hf_model(kind).train()
+    model = coda.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, SEQ), device=DEVICE)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and rel(p.grad, q.grad) < 1e-5, name
+
+
 class ForeignNorm(torch.nn.Module):
     """A stand-in for another library's norm class (Liger-Kernel's LigerRMSNorm holds its eps under
     another name and computes with its own code)."""

@@ -347,19 +347,13 @@ def run_variant(args) -> dict:
         step(i)
     log(f"{args.variant} {args.model} {args.shape}{' packed' if args.packed else ''}: built and warmed up in "
         f"{time.time() - t0:.0f} s")
-    times = []
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for i in range(args.steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+        times = cuda_step_ms(step, args.steps)
+    else:
+        times = []
+        for i in range(args.steps):
             t = time.perf_counter()
             float(step(i))
             times.append((time.perf_counter() - t) * 1e3)
@@ -369,6 +363,21 @@ def run_variant(args) -> dict:
     if cuda:
         row["breakdown_ms"], row["top_kernels"] = breakdown(lambda: step(0))
     return row
+
+
+def cuda_step_ms(step, count: int) -> list[float]:
+    """step(0), ..., step(count - 1), each timed with CUDA events (ms)."""
+    import torch
+
+    times = []
+    for i in range(count):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def breakdown(step, top: int = 30) -> tuple[dict[str, float], list[dict]]:

@@ -74,14 +74,7 @@ def main() -> None:
         llama.attend = attend
         for i in range(3):
             step(i)
-        times = []
-        for i in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = train.cuda_step_ms(step, 10)
         _, top = train.breakdown(lambda: step(0), top=14)
         runs.setdefault(name, []).append({"step_ms": statistics.median(times), "top_kernels": top})
         print(f"[attention_in_step] {name}: {statistics.median(times):.2f} ms; "

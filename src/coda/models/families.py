@@ -403,6 +403,10 @@ def supported(entry: str) -> tuple[str, ...]:
     return tuple(name for name, f in FAMILIES.items() if entry in f.entries)
 
 
+# What to do about adapters (peft's LoRA) where coda reads weights: said by every refusal that meets them.
+MERGE_ADAPTERS = "merge the adapters into the weights first (peft: merge_and_unload())"
+
+
 def foreign_code(model: Any) -> list[str]:
     """A model whose class is not transformers' (remote code, `trust_remote_code=True`) computes what
     its own files say, which the rules here do not know; a subclass of a transformers class is taken."""
@@ -430,7 +434,7 @@ def foreign_modules(modules: Iterable[tuple[str, Any]], entry: str) -> list[str]
     where = cls.__module__.split(".")[0]
     fix = {"liger_kernel": "Liger-Kernel's apply_liger_kernel_to_* replaced transformers' classes before this model "
                            "was built, or patched it; coda replaces the same modules, so use one of the two",
-           "peft": "merge the adapters into the weights first (peft: merge_and_unload())"}.get(
+           "peft": MERGE_ADAPTERS}.get(
         where, "build the model from transformers' classes alone")
     what = "reads these modules' weights" if entry == FROM_HF else "rewrites these modules"
     return [f"{name} is a {cls.__module__}.{cls.__qualname__}{more}, not transformers' or torch's own class: coda "

@@ -104,8 +104,8 @@ def _final_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 # The projections whose weights coda's fused ops read: the dense MLP's, and the LM head.
 _MLP_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
-_READS_WEIGHTS = ("coda's fused ops multiply by these weights directly; merge adapters into the weights "
-                  "first (peft: merge_and_unload()), or train this model unpatched")
+_READS_WEIGHTS = (f"coda's fused ops multiply by these weights directly; {families.MERGE_ADAPTERS}, or train this "
+                  "model unpatched")
 
 
 def _linear_problem(module: object) -> str | None:

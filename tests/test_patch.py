@@ -203,17 +203,14 @@ def test_patched_model_trains_under_hf_gradient_checkpointing(kind: str, reentra
 
 
 class ForeignNorm(torch.nn.Module):
-    """A stand-in for another library's norm class (Liger-Kernel's LigerRMSNorm holds its eps under
-    another name and computes with its own code)."""
+    """A stand-in for another library's norm class holding the norm's weight (Liger-Kernel's
+    LigerRMSNorm: its eps under another name, its own forward); refused before anything calls it."""
 
     __module__ = "liger_kernel.transformers.rms_norm"
 
     def __init__(self, norm: torch.nn.Module) -> None:
         super().__init__()
-        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight
+        self.weight = norm.weight
 
 
 @pytest.mark.parametrize("where", ["model.layers.1.input_layernorm", "model.layers.0.post_attention_layernorm",

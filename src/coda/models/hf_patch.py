@@ -64,7 +64,7 @@ from ..ops.rmsnorm_gated_mlp import rmsnorm_geglu_mlp, rmsnorm_swiglu_mlp
 from ..ops.swiglu_mlp import swiglu_mlp
 from . import families
 from .autocast import autocast_dtype, cast
-from .lm_loss import causal_lm_loss
+from .lm_loss import LOSS_ARGUMENTS, causal_lm_loss
 
 log = logging.getLogger("coda")
 
@@ -302,7 +302,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         kwargs["output_router_logits"] = self.config.output_router_logits if router is None else router
     return_dict = kwargs.pop("return_dict", None)
     # transformers hands these to its loss only (ForCausalLMLoss; its model ignores them)
-    loss_kwargs = {k: kwargs.pop(k) for k in ("num_items_in_batch", "shift_labels", "ignore_index") if k in kwargs}
+    loss_kwargs = {k: kwargs.pop(k) for k in LOSS_ARGUMENTS if k in kwargs}
     cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma: c * tanh(logits / c)
     norm = self.model.norm
     scaling = getattr(norm, "_coda_logits_scaling", None)  # Granite: logits / logits_scaling

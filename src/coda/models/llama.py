@@ -32,14 +32,16 @@ from .attention import attend, varlen_applies
 from .autocast import autocast_dtype, cast
 from .families import (FAMILIES, FROM_HF, Family, foreign_code, foreign_modules, hf_attention, problems, rotary_dim,
                        supported)
+from .hf_interface import CausalLMOutput, TrainerInterface, takes_use_cache
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
-from .lm_loss import causal_lm_loss
+from .lm_loss import LOSS_ARGUMENTS, causal_lm_loss
 from .masks import AttentionMask, build_all, documents, padding
 from .qkv_projection import qk_norm_qkv, whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual
 
 
+@takes_use_cache  # (transformers' Trainer sets it: hf_interface.py)
 @dataclass(frozen=True)
 class LlamaConfig:
     """The shape of a Llama-family decoder (the fields of transformers' LlamaConfig that matter)."""
@@ -301,15 +303,6 @@ class AttnParams(NamedTuple):
     k_norm: nn.Parameter | None
 
 
-@dataclass
-class CausalLMOutput:
-    """`loss`: mean cross-entropy over non-ignored next-token labels (None without labels);
-    `logits`: [B, S, V] (None when labels are given: they are never materialized)."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-
-
 class LlamaLayer(nn.Module):
     """Decoder layer i as the fused kernels cut it (MODEL.md): attention on layer i's qkv, then the
     segment to layer i+1's qkv (layer i's output projection and MLP, layer i+1's input norm and QKV
@@ -455,9 +448,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(TrainerInterface, nn.Module):
     """A Llama decoder + LM head + loss on coda's fused ops. `model(input_ids, labels=None,
-    position_ids=None, attention_mask=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward.
+    position_ids=None, attention_mask=None)` -> CausalLMOutput. `checkpoint=True` recomputes each layer in backward
+    (transformers' `gradient_checkpointing_enable()` sets it too: hf_interface.py).
 
     The parameters are nn.Parameters of the module that reads them: the embedding, layer 0's input
     norm and QKV projection (the first segment), the final norm and the LM head on the model, the rest
@@ -644,17 +638,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, *, shift_labels: torch.Tensor | None = None,
-                ignore_index: int = -100, num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutput:
+                attention_mask: torch.Tensor | None = None, **loss_kwargs: object) -> CausalLMOutput:
         """`attention_mask` [B, S]: 0 marks padding (never attended); `position_ids` [B, S] or [1, S]:
         RoPE positions, and without `attention_mask` the documents packed in a row (a new one where
         the position does not step by +1; attention stays inside it), as transformers (masks.py).
-        With `labels`, transformers' loss and its arguments (`shift_labels`, `ignore_index`,
-        `num_items_in_batch`: lm_loss.py)."""
-        if labels is None and shift_labels is not None:
+        With `labels`, transformers' loss and its keyword arguments `shift_labels`, `ignore_index`,
+        `num_items_in_batch` (lm_loss.py), taken as keywords as transformers' models take them, so that
+        its Trainer finds `labels` alone as the label and passes `num_items_in_batch` (hf_interface.py)."""
+        unknown = sorted(set(loss_kwargs) - set(LOSS_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword arguments {unknown}: it takes "
+                            f"input_ids, labels, position_ids, attention_mask and the loss's {', '.join(LOSS_ARGUMENTS)}")
+        if labels is None and loss_kwargs.get("shift_labels") is not None:
             raise ValueError("shift_labels needs labels: as in transformers, the loss is computed only when "
                              "labels are given (pass both)")
-        loss_args = dict(shift_labels=shift_labels, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
+        loss_args = loss_kwargs
         dtype = autocast_dtype(input_ids.device)
         if dtype is None:
             return self._forward(input_ids, labels, position_ids, attention_mask, loss_args, None)

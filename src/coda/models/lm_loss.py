@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from ..ops.cross_entropy import linear_cross_entropy
 
+LOSS_ARGUMENTS = ("shift_labels", "ignore_index", "num_items_in_batch")  # causal_lm_loss's keywords, HF's names
+
 
 def causal_lm_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, *,
                    shift_labels: torch.Tensor | None = None, ignore_index: int = -100,

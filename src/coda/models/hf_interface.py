@@ -1,0 +1,88 @@
+"""What transformers' `Trainer` reads from a model that is not a `PreTrainedModel`, for coda's own model.
+
+Trainer takes any `nn.Module`: it finds the label arguments in `forward`'s signature (any parameter
+named like "label"), passes `num_items_in_batch` when `forward` takes `**kwargs`, counts those items
+over the shifted labels when `model.loss_type` names transformers' causal-LM loss, reads the loss as
+`out["loss"]` or `out[0]`, sets `model.config.use_cache`, and turns checkpointing on through
+`activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`. This
+module holds those pieces; `LlamaForCausalLM.forward` takes the loss arguments as keywords for the
+first two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CausalLMOutput(dict):
+    """`loss`: the loss (None without labels); `logits`: [B, S, V] (None when labels are given: they
+    are never materialized). A dict of the fields that are set, in that order, as transformers'
+    ModelOutput is: `out["loss"]` and `out[0]` read the loss when there is one."""
+
+    def __init__(self, loss: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+        super().__init__((k, v) for k, v in (("loss", loss), ("logits", logits)) if v is not None)
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        return self.get("loss")
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        return self.get("logits")
+
+    def __getitem__(self, key: str | int | slice):
+        return tuple(self.values())[key] if isinstance(key, (int, slice)) else super().__getitem__(key)
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.values())
+
+
+def takes_use_cache(cls: type) -> type:
+    """A frozen dataclass that also takes `use_cache`, which Trainer sets on any model's config (for
+    generation's KV cache). coda's model has no cache, so the value is kept and changes nothing; every
+    other field stays frozen."""
+    frozen = cls.__setattr__
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "use_cache":
+            object.__setattr__(self, name, value)
+        else:
+            frozen(self, name, value)
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+class TrainerInterface:
+    """The loss's name and transformers' switches for recomputing each layer in backward, on a model
+    with a `checkpoint` flag. The recomputation is torch's non-reentrant checkpoint whatever
+    `use_reentrant` says (both recompute the same values); options coda does not have are refused."""
+
+    # transformers' ForCausalLMLoss (lm_loss.py computes it): Trainer then counts num_items_in_batch
+    # over labels[..., 1:], the targets that loss divides by, as for transformers' own causal LMs.
+    loss_type = "ForCausalLM"
+    checkpoint: bool
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        unknown = sorted(set(activation_checkpointing_kwargs or {}) - {"use_reentrant"})
+        if unknown or every_n_layers != 1 or offload:
+            raise ValueError(f"{type(self).__name__}: checkpointing recomputes every layer, on the device "
+                             f"(every_n_layers=1, offload=False), and takes no options but use_reentrant; got "
+                             f"every_n_layers={every_n_layers}, offload={offload}, options {unknown}")
+        self.checkpoint = True
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)
+
+    def activation_checkpointing_disable(self) -> None:
+        self.checkpoint = False
+
+    gradient_checkpointing_disable = activation_checkpointing_disable
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.checkpoint
+
+    is_gradient_checkpointing = is_activation_checkpointing

@@ -70,6 +70,8 @@ def test_trainer_trains_coda_model_as_the_hf_one(tmp_path) -> None:
     assert len(losses(coda_run)) == 4
     assert losses(coda_run) == pytest.approx(losses(hf_run), rel=1e-5)
     assert coda_run.evaluate()["eval_loss"] == pytest.approx(hf_run.evaluate()["eval_loss"], rel=1e-5)
+    coda_run.args.use_liger_kernel = True  # (evaluation then passes Liger-Kernel's skip_logits=True)
+    assert coda_run.evaluate()["eval_loss"] == pytest.approx(hf_run.evaluate()["eval_loss"], rel=1e-5)
     trained = model.to_hf_state_dict()
     for name, p in ref.state_dict().items():
         assert rel(trained[name], p) < 1e-4, name
@@ -111,9 +113,14 @@ def test_coda_model_takes_the_loss_arguments_as_keywords_only() -> None:
         model(ids, labels=ids, num_items=3)
     assert transformers.utils.generic.find_labels(type(model)) == ["labels"]
     out = model(ids, labels=ids)
+    out_loss = out.loss
     assert out["loss"] is out[0] is out.loss and out.logits is None and list(out) == ["loss"]
     out = model(ids)
     assert out.loss is None and out[0] is out.logits and json.dumps(list(out)) == '["logits"]'
+    assert model(ids, labels=ids, skip_logits=True).loss == out_loss
+    for kw in (dict(labels=ids, skip_logits=False), dict(skip_logits=True)):
+        with pytest.raises(ValueError, match="never materialized"):
+            model(ids, **kw)
 
 
 def test_checkpointing_options_coda_lacks_are_refused() -> None:

@@ -4,7 +4,10 @@ Trainer takes any `nn.Module`: it finds the label arguments in `forward`'s signa
 named like "label"), passes `num_items_in_batch` when `forward` takes `**kwargs`, counts those items
 over the shifted labels when `model.loss_type` names transformers' causal-LM loss, reads the loss as
 `out["loss"]` or `out[0]`, sets `model.config.use_cache`, and turns checkpointing on through
-`activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`. This
+`activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`. With
+`use_liger_kernel=True` it applies no kernels to a model outside transformers, but its evaluation
+passes Liger-Kernel's `skip_logits=True` with the labels, which coda's model takes (it never forms
+logits with labels) and checks. This
 module holds those pieces; `LlamaForCausalLM.forward` takes the loss arguments as keywords for the
 first two.
 """

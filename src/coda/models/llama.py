@@ -645,13 +645,19 @@ class LlamaForCausalLM(TrainerInterface, nn.Module):
         With `labels`, transformers' loss and its keyword arguments `shift_labels`, `ignore_index`,
         `num_items_in_batch` (lm_loss.py), taken as keywords as transformers' models take them, so that
         its Trainer finds `labels` alone as the label and passes `num_items_in_batch` (hf_interface.py)."""
-        unknown = sorted(set(loss_kwargs) - set(LOSS_ARGUMENTS))
+        unknown = sorted(set(loss_kwargs) - set(LOSS_ARGUMENTS) - {"skip_logits"})
         if unknown:
             raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword arguments {unknown}: it takes "
-                            f"input_ids, labels, position_ids, attention_mask and the loss's {', '.join(LOSS_ARGUMENTS)}")
+                            f"input_ids, labels, position_ids, attention_mask, skip_logits and the loss's "
+                            f"{', '.join(LOSS_ARGUMENTS)}")
         if labels is None and loss_kwargs.get("shift_labels") is not None:
             raise ValueError("shift_labels needs labels: as in transformers, the loss is computed only when "
                              "labels are given (pass both)")
+        skip = loss_kwargs.pop("skip_logits", None)  # Liger-Kernel's (Trainer passes it: hf_interface.py)
+        if skip is not None and bool(skip) != (labels is not None):
+            raise ValueError(f"skip_logits={skip} with labels={'None' if labels is None else '...'}: coda's model "
+                             "returns the loss without logits given labels (they are never materialized), and "
+                             "the logits without labels")
         loss_args = loss_kwargs
         dtype = autocast_dtype(input_ids.device)
         if dtype is None:

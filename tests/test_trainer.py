@@ -1,7 +1,7 @@
 """transformers' Trainer on coda's own model and on a patched model (tiny Llama, fp32): the logged
 losses, the eval loss and the trained weights are the HF model's under the same Trainer, with gradient
-accumulation over padded batches (Trainer's num_items_in_batch), activation checkpointing, and a run
-resumed from a saved checkpoint."""
+accumulation over padded batches (Trainer's num_items_in_batch), activation checkpointing, packed
+documents (DataCollatorWithFlattening), and a run resumed from a saved checkpoint."""
 
 from __future__ import annotations
 
@@ -75,6 +75,25 @@ def test_trainer_trains_coda_model_as_the_hf_one(tmp_path) -> None:
     trained = model.to_hf_state_dict()
     for name, p in ref.state_dict().items():
         assert rel(trained[name], p) < 1e-4, name
+
+
+def test_trainer_trains_packed_documents_as_hf(tmp_path) -> None:
+    """transformers' DataCollatorWithFlattening packs each micro-batch into one row with position_ids
+    restarting per document: coda's model masks attention per document as the HF model does."""
+    g = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": torch.randint(0, VOCAB, (int(n),), generator=g).tolist()}
+            for n in torch.randint(3, 9, (16,), generator=g)]
+    runs = []
+    for model in (hf_llama(), coda.models.from_hf(hf_llama())):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / type(model).__module__), per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
+            use_cpu=DEVICE.type == "cpu", save_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                       data_collator=transformers.DataCollatorWithFlattening())
+        trainer.train()
+        runs.append(losses(trainer))
+    assert len(runs[1]) == 3 and runs[1] == pytest.approx(runs[0], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -5,10 +5,14 @@ The documents go in either padded (one per row, `attention_mask` marking the tok
 per row, `position_ids` restarting at 0 at each document: attention never crosses a document). Before
 training, the coda model's loss is checked against transformers' on the same batch and weights; after
 training, the weights go back into the transformers model (`to_hf_state_dict`), which then computes
-the coda model's loss.
+the coda model's loss. `--loop trainer` trains with transformers' `Trainer` in place of the plain
+PyTorch loop: it takes coda's model as it takes transformers' own (labels, gradient accumulation,
+checkpointing); its checkpoints hold coda's layouts, so `--save DIR` writes the transformers model
+with the trained weights (`save_pretrained`), which `from_pretrained` loads.
 
     python examples/finetune_from_hf.py                                  # Qwen3, tiny, padded: the CPU
     python examples/finetune_from_hf.py --family gemma3_text --batching pack
+    python examples/finetune_from_hf.py --loop trainer --save /tmp/finetuned   # needs accelerate
     python examples/finetune_from_hf.py --family llama --hidden 2048 --ffn 8192 --layers 16 --heads 32 \\
         --kv-heads 8 --head-dim 64 --vocab 128256 --docs 16 --max-len 2048 --dtype bfloat16    # on a GPU
 
@@ -18,6 +22,7 @@ Without a CUDA GPU, coda runs its kernels through Triton's interpreter (tiny siz
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import torch
 import transformers
@@ -77,6 +82,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
+    ap.add_argument("--loop", choices=("torch", "trainer"), default="torch", help="a plain loop or transformers' Trainer")
+    ap.add_argument("--save", help="save the trained transformers model here (save_pretrained)")
     args = ap.parse_args()
     for name in ("hidden", "ffn", "layers", "heads", "kv_heads", "head_dim", "docs", "steps"):
         if getattr(args, name) < 1:
@@ -110,15 +117,18 @@ def main() -> None:
     form = "padded" if args.batching == "pad" else "packed"
     print(f"{args.family}, {form} batch of {args.docs} documents: loss {ours:.4f} (transformers {theirs:.4f})")
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = [batch() for _ in range(2)]  # two batches, learned by heart
-    for step in range(args.steps):
-        b = dict(data[step % 2])
-        loss = model(b.pop("input_ids"), **b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        print(f"step {step}: loss {loss.item():.4f}")
+    if args.loop == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        for step in range(args.steps):
+            b = dict(data[step % 2])
+            loss = model(b.pop("input_ids"), **b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            print(f"step {step}: loss {loss.item():.4f}")
+    else:
+        train_with_trainer(model, data, args)
 
     hf.load_state_dict(model.to_hf_state_dict())  # back to transformers' names and layouts
     b = dict(data[0])
@@ -126,6 +136,30 @@ def main() -> None:
         theirs = hf(**b).loss.item()
         ours = model(b.pop("input_ids"), **b).loss.item()
     print(f"after training, transformers with the trained weights: loss {theirs:.4f} (coda {ours:.4f})")
+    if args.save:
+        hf.save_pretrained(args.save)
+        print(f"saved the transformers model to {args.save}")
+
+
+def train_with_trainer(model: torch.nn.Module, data: list[dict[str, torch.Tensor]], args: argparse.Namespace) -> None:
+    """The same steps under transformers' Trainer: each dataset item is a whole batch, the constant
+    learning rate and AdamW of the plain loop, each step's loss printed."""
+
+    class PrintLoss(transformers.TrainerCallback):
+        def on_log(self, _args, state, _control, logs=None, **_kw):
+            if logs and "loss" in logs:
+                print(f"step {state.global_step - 1}: loss {logs['loss']:.4f}")
+
+    with tempfile.TemporaryDirectory() as out:  # (Trainer's checkpoints, none saved here: save_strategy="no")
+        config = transformers.TrainingArguments(
+            output_dir=out, max_steps=args.steps, per_device_train_batch_size=1, learning_rate=args.lr,
+            lr_scheduler_type="constant", weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[],
+            disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+        trainer = transformers.Trainer(model=model, args=config, data_collator=lambda items: dict(items[0]),
+                                       train_dataset=[data[i % 2] for i in range(args.steps)])
+        trainer.remove_callback(transformers.PrinterCallback)
+        trainer.add_callback(PrintLoss())
+        trainer.train()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Every script in examples/ runs at its default sizes (seconds on the CPU) and does what it says:
 the custom epilogue matches its fp32 reference, the patched model's first loss is transformers' on
 the same weights and training lowers it, the fine-tuned coda model's loss is transformers' before training
-and again after its weights go back, and the FSDP2 run trains across two ranks."""
+and again after its weights go back (under transformers' Trainer too, whose saved model loads), and the
+FSDP2 run trains across two ranks."""
 
 from __future__ import annotations
 
@@ -57,6 +58,20 @@ def test_finetune_from_hf(family: str, batching: str) -> None:
     assert len(curve) == 4 and curve[-1] < curve[0]
     theirs, ours = map(float, re.search(r"trained weights: loss ([\d.]+) \(coda ([\d.]+)\)", out).groups())
     assert abs(ours - theirs) < 1e-3 and ours < curve[0]  # the trained weights, back in transformers
+
+
+@pytest.mark.slow
+def test_finetune_from_hf_under_trainer(tmp_path: Path) -> None:
+    """--loop trainer: the same fine-tune under transformers' Trainer; the saved transformers model loads."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    out = run("examples/finetune_from_hf.py", "--loop", "trainer", "--save", str(tmp_path))
+    curve = losses(out)
+    assert len(curve) == 4 and curve[-1] < curve[0]
+    theirs, ours = map(float, re.search(r"trained weights: loss ([\d.]+) \(coda ([\d.]+)\)", out).groups())
+    assert abs(ours - theirs) < 1e-3 and ours < curve[0]
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
 
 
 @pytest.mark.slow

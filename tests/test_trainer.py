@@ -46,8 +46,8 @@ def dataset(n: int = 8) -> list[dict[str, torch.Tensor]]:
 
 
 def train(model: torch.nn.Module, out: str, *, steps: int = 4, resume: str | None = None,
-          save_steps: int | None = None) -> transformers.Trainer:
-    args = transformers.TrainingArguments(
+          save_steps: int | None = None, bf16: bool = False) -> transformers.Trainer:
+    args = transformers.TrainingArguments(bf16=bf16,
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
         learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, use_cpu=DEVICE.type == "cpu",
         gradient_checkpointing=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -75,6 +75,14 @@ def test_trainer_trains_coda_model_as_the_hf_one(tmp_path) -> None:
     trained = model.to_hf_state_dict()
     for name, p in ref.state_dict().items():
         assert rel(trained[name], p) < 1e-4, name
+
+
+def test_trainer_trains_coda_model_under_bf16_autocast(tmp_path) -> None:
+    """bf16=True: Trainer runs the forward under autocast and accelerate rebuilds the output as
+    type(out)({...}) to convert it to fp32; the losses are the HF model's within bf16's rounding (2^-8)."""
+    hf_run = train(hf_llama(), str(tmp_path / "hf"), steps=2, bf16=True)
+    coda_run = train(coda.models.from_hf(hf_llama()), str(tmp_path / "coda"), steps=2, bf16=True)
+    assert len(losses(coda_run)) == 2 and losses(coda_run) == pytest.approx(losses(hf_run), rel=2**-8)
 
 
 def test_trainer_trains_packed_documents_as_hf(tmp_path) -> None:
@@ -134,6 +142,7 @@ def test_coda_model_takes_the_loss_arguments_as_keywords_only() -> None:
     out = model(ids, labels=ids)
     out_loss = out.loss
     assert out["loss"] is out[0] is out.loss and out.logits is None and list(out) == ["loss"]
+    assert type(out)({"loss": out.loss})["loss"] is out.loss  # dict's constructor, as mapping tools rebuild it
     out = model(ids)
     assert out.loss is None and out[0] is out.logits and json.dumps(list(out)) == '["logits"]'
     assert model(ids, labels=ids, skip_logits=True).loss == out_loss

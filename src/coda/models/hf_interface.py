@@ -22,8 +22,15 @@ class CausalLMOutput(dict):
     are never materialized). A dict of the fields that are set, in that order, as transformers'
     ModelOutput is: `out["loss"]` and `out[0]` read the loss when there is one."""
 
-    def __init__(self, loss: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
-        super().__init__((k, v) for k, v in (("loss", loss), ("logits", logits)) if v is not None)
+    def __init__(self, *args: object, **fields: torch.Tensor | None) -> None:
+        # dict's own signature: tools that map over outputs rebuild them as type(out)({...}) (accelerate's
+        # fp32 conversion under Trainer's bf16=True does)
+        super().__init__(*args, **fields)
+        for name in [k for k, v in self.items() if v is None]:
+            del self[name]
+        unknown = sorted(set(self) - {"loss", "logits"})
+        if unknown:
+            raise TypeError(f"CausalLMOutput holds loss and logits, not {unknown}")
 
     @property
     def loss(self) -> torch.Tensor | None:

@@ -164,3 +164,5 @@ def test_checkpointing_options_coda_lacks_are_refused() -> None:
     model.config.use_cache = False  # what Trainer sets; the rest stays frozen
     with pytest.raises(AttributeError):
         model.config.hidden_size = 8
+    logged = json.loads(model.config.to_json_string())  # what Trainer's reporting callbacks log
+    assert logged["hidden_size"] == 32 and logged["use_cache"] is False and logged == model.config.to_dict()

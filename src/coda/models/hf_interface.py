@@ -3,7 +3,8 @@
 Trainer takes any `nn.Module`: it finds the label arguments in `forward`'s signature (any parameter
 named like "label"), passes `num_items_in_batch` when `forward` takes `**kwargs`, counts those items
 over the shifted labels when `model.loss_type` names transformers' causal-LM loss, reads the loss as
-`out["loss"]` or `out[0]`, sets `model.config.use_cache`, and turns checkpointing on through
+`out["loss"]` or `out[0]`, sets `model.config.use_cache` (its reporting callbacks log
+`model.config.to_dict()`), and turns checkpointing on through
 `activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`. With
 `use_liger_kernel=True` it applies no kernels to a model outside transformers, but its evaluation
 passes Liger-Kernel's `skip_logits=True` with the labels, which coda's model takes (it never forms
@@ -13,6 +14,9 @@ first two.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import torch
 
@@ -47,10 +51,12 @@ class CausalLMOutput(dict):
         return tuple(self.values())
 
 
-def takes_use_cache(cls: type) -> type:
-    """A frozen dataclass that also takes `use_cache`, which Trainer sets on any model's config (for
-    generation's KV cache). coda's model has no cache, so the value is kept and changes nothing; every
-    other field stays frozen."""
+def trainer_config(cls: type) -> type:
+    """A frozen dataclass as Trainer and its logging callbacks use a model's config: it takes
+    `use_cache`, which Trainer sets on any model's config (for generation's KV cache; coda's model
+    has none, so the value is kept and changes nothing, every other field staying frozen), and gives
+    `to_dict()` and `to_json_string()`, which TensorBoard's, Weights & Biases', MLflow's and the other
+    reporting callbacks log."""
     frozen = cls.__setattr__
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -59,7 +65,16 @@ def takes_use_cache(cls: type) -> type:
         else:
             frozen(self, name, value)
 
-    cls.__setattr__ = __setattr__
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if "use_cache" in self.__dict__:
+            out["use_cache"] = self.use_cache
+        return out
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    cls.__setattr__, cls.to_dict, cls.to_json_string = __setattr__, to_dict, to_json_string
     return cls
 
 

@@ -32,7 +32,7 @@ from .attention import attend, varlen_applies
 from .autocast import autocast_dtype, cast
 from .families import (FAMILIES, FROM_HF, Family, foreign_code, foreign_modules, hf_attention, problems, rotary_dim,
                        supported)
-from .hf_interface import CausalLMOutput, TrainerInterface, takes_use_cache
+from .hf_interface import CausalLMOutput, TrainerInterface, trainer_config
 from .llama_block import YARN, NativeBlockWeights, block_segment, inv_freq, is_yarn, rope_freq_table
 from .llama_ends import first_segment, last_segment
 from .lm_loss import LOSS_ARGUMENTS, causal_lm_loss
@@ -41,7 +41,7 @@ from .qkv_projection import qk_norm_qkv, whole_qk_norm_qkv
 from .sandwich import post_norm_residual, sandwich_residual
 
 
-@takes_use_cache  # (transformers' Trainer sets it: hf_interface.py)
+@trainer_config  # (use_cache, to_dict: what transformers' Trainer reads, hf_interface.py)
 @dataclass(frozen=True)
 class LlamaConfig:
     """The shape of a Llama-family decoder (the fields of transformers' LlamaConfig that matter)."""

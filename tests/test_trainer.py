@@ -151,6 +151,19 @@ def test_coda_model_takes_the_loss_arguments_as_keywords_only() -> None:
             model(ids, **kw)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_is_transformers(tied: bool) -> None:
+    """Trainer's FLOPs estimate (total_flos) reads num_parameters(exclude_embeddings=True)."""
+    ref = hf_llama()
+    if tied:
+        ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, tie_word_embeddings=True))
+    model = coda.models.from_hf(ref)
+    for kw in (dict(), dict(exclude_embeddings=True), dict(only_trainable=True)):
+        assert model.num_parameters(**kw) == ref.num_parameters(**kw), kw
+    model.embed_tokens.requires_grad_(False)
+    assert model.num_parameters(only_trainable=True) == model.num_parameters(exclude_embeddings=True)
+
+
 def test_checkpointing_options_coda_lacks_are_refused() -> None:
     model = coda.models.from_hf(hf_llama())
     model.gradient_checkpointing_enable({"use_reentrant": True})

@@ -5,7 +5,8 @@ named like "label"), passes `num_items_in_batch` when `forward` takes `**kwargs`
 over the shifted labels when `model.loss_type` names transformers' causal-LM loss, reads the loss as
 `out["loss"]` or `out[0]`, sets `model.config.use_cache` (its reporting callbacks log
 `model.config.to_dict()`), and turns checkpointing on through
-`activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`. With
+`activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`, and
+estimates FLOPs from `num_parameters(exclude_embeddings=True)`. With
 `use_liger_kernel=True` it applies no kernels to a model outside transformers, but its evaluation
 passes Liger-Kernel's `skip_logits=True` with the labels, which coda's model takes (it never forms
 logits with labels) and checks. This
@@ -79,7 +80,7 @@ def trainer_config(cls: type) -> type:
 
 
 class TrainerInterface:
-    """The loss's name and transformers' switches for recomputing each layer in backward, on a model
+    """The loss's name, the parameter count and transformers' switches for recomputing each layer in backward, on a model
     with a `checkpoint` flag. The recomputation is torch's non-reentrant checkpoint whatever
     `use_reentrant` says (both recompute the same values); options coda does not have are refused."""
 
@@ -87,6 +88,13 @@ class TrainerInterface:
     # over labels[..., 1:], the targets that loss divides by, as for transformers' own causal LMs.
     loss_type = "ForCausalLM"
     checkpoint: bool
+    embed_tokens: torch.nn.Parameter
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' count (Trainer's FLOPs estimate reads it): every parameter once, or those
+        that train, without the input embedding where asked (an untied LM head counts)."""
+        return sum(p.numel() for p in self.parameters()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and p is self.embed_tokens))
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
                                         every_n_layers: int = 1, offload: bool = False) -> None:

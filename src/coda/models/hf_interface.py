@@ -1,17 +1,18 @@
 """What transformers' `Trainer` reads from a model that is not a `PreTrainedModel`, for coda's own model.
 
-Trainer takes any `nn.Module`: it finds the label arguments in `forward`'s signature (any parameter
-named like "label"), passes `num_items_in_batch` when `forward` takes `**kwargs`, counts those items
-over the shifted labels when `model.loss_type` names transformers' causal-LM loss, reads the loss as
-`out["loss"]` or `out[0]`, sets `model.config.use_cache` (its reporting callbacks log
-`model.config.to_dict()`), and turns checkpointing on through
-`activation_checkpointing_enable` (transformers >= 5.24) or `gradient_checkpointing_enable`, and
-estimates FLOPs from `num_parameters(exclude_embeddings=True)`. With
-`use_liger_kernel=True` it applies no kernels to a model outside transformers, but its evaluation
-passes Liger-Kernel's `skip_logits=True` with the labels, which coda's model takes (it never forms
-logits with labels) and checks. This
-module holds those pieces; `LlamaForCausalLM.forward` takes the loss arguments as keywords for the
-first two.
+Trainer takes any `nn.Module` and, by convention:
+* finds the label arguments by name in `forward`'s signature and passes `num_items_in_batch` only
+  to a `forward` with `**kwargs` (so `LlamaForCausalLM.forward` takes the loss arguments as keywords);
+* counts those items over `labels[..., 1:]` when `model.loss_type` names transformers' causal-LM loss;
+* reads the loss as `out["loss"]` or `out[0]` (CausalLMOutput);
+* sets `model.config.use_cache`, and its reporting callbacks log `model.config.to_dict()`
+  (trainer_config);
+* turns checkpointing on through `activation_checkpointing_enable` (transformers >= 5.24) or
+  `gradient_checkpointing_enable`, and estimates FLOPs from `num_parameters(exclude_embeddings=True)`
+  (TrainerInterface);
+* under `use_liger_kernel=True` applies no kernels to a model outside transformers, but its
+  evaluation passes Liger-Kernel's `skip_logits=True` with the labels, which `forward` takes (coda
+  never forms logits with labels) and checks.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def trainer_config(cls: type) -> type:
 
 
 class TrainerInterface:
-    """The loss's name, the parameter count and transformers' switches for recomputing each layer in backward, on a model
-    with a `checkpoint` flag. The recomputation is torch's non-reentrant checkpoint whatever
-    `use_reentrant` says (both recompute the same values); options coda does not have are refused."""
+    """The loss's name, the parameter count and transformers' switches for recomputing each layer in
+    backward, on a model with a `checkpoint` flag and an `embed_tokens` parameter. The recomputation
+    is torch's non-reentrant checkpoint whatever `use_reentrant` says (both recompute the same
+    values); options coda does not have are refused."""
 
     # transformers' ForCausalLMLoss (lm_loss.py computes it): Trainer then counts num_items_in_batch
     # over labels[..., 1:], the targets that loss divides by, as for transformers' own causal LMs.

@@ -164,6 +164,18 @@ def test_parameter_count_is_transformers(tied: bool) -> None:
     assert model.num_parameters(only_trainable=True) == model.num_parameters(exclude_embeddings=True)
 
 
+def test_accelerate_fsdp2_wraps_each_layer() -> None:
+    """Trainer's FSDP2 (accelerate, transformer-based wrapping) reads `_no_split_modules`: each
+    LlamaLayer its own group, as docs/MODEL.md shards the model."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    model = coda.models.from_hf(hf_llama())
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    assert [name for name, module in model.named_modules() if policy(module)] == ["layers.0", "layers.1"]
+
+
 def test_checkpointing_options_coda_lacks_are_refused() -> None:
     model = coda.models.from_hf(hf_llama())
     model.gradient_checkpointing_enable({"use_reentrant": True})

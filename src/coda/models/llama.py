@@ -460,6 +460,10 @@ class LlamaForCausalLM(TrainerInterface, nn.Module):
     module's parameters are gathered in its own forward and backward, the root's for the whole step,
     and the custom ops only ever see those gathered tensors."""
 
+    # The unit of sharding: accelerate's FSDP2 (Trainer's `fsdp`, transformer-based wrapping) shards each
+    # LlamaLayer as its own group, then the root, as MODEL.md's recipe does.
+    _no_split_modules = ["LlamaLayer"]
+
     def __init__(self, config: LlamaConfig, *, checkpoint: bool = False, initializer_range: float = 0.02,
                  **factory: object) -> None:
         super().__init__()

@@ -659,15 +659,14 @@ class LlamaForCausalLM(TrainerInterface, nn.Module):
                              "labels are given (pass both)")
         skip = loss_kwargs.pop("skip_logits", None)  # Liger-Kernel's (Trainer passes it: hf_interface.py)
         if skip is not None and bool(skip) != (labels is not None):
-            raise ValueError(f"skip_logits={skip} with labels={'None' if labels is None else '...'}: coda's model "
-                             "returns the loss without logits given labels (they are never materialized), and "
-                             "the logits without labels")
-        loss_args = loss_kwargs
+            raise ValueError(f"skip_logits={skip} {'with' if labels is not None else 'without'} labels: coda's model "
+                             "returns the loss and no logits given labels (they are never materialized), and the "
+                             "logits without labels")
         dtype = autocast_dtype(input_ids.device)
         if dtype is None:
-            return self._forward(input_ids, labels, position_ids, attention_mask, loss_args, None)
+            return self._forward(input_ids, labels, position_ids, attention_mask, loss_kwargs, None)
         with torch.autocast(input_ids.device.type, enabled=False):  # (autocast.py)
-            return self._forward(input_ids, labels, position_ids, attention_mask, loss_args, dtype)
+            return self._forward(input_ids, labels, position_ids, attention_mask, loss_kwargs, dtype)
 
     def _forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None,
                  attention_mask: torch.Tensor | None, loss_args: dict, dtype: torch.dtype | None) -> CausalLMOutput:

@@ -52,8 +52,8 @@ def dataset(n: int = 8) -> list[dict[str, torch.Tensor]]:
 
 
 def train(model: torch.nn.Module, out: str, *, steps: int = 4, resume: str | None = None,
-          save_steps: int | None = None, bf16: bool = False) -> transformers.Trainer:
-    args = transformers.TrainingArguments(bf16=bf16,
+          save_steps: int | None = None, **extra: object) -> transformers.Trainer:
+    args = transformers.TrainingArguments(**extra,
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
         learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, use_cpu=DEVICE.type == "cpu",
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, disable_tqdm=True,
@@ -89,6 +89,14 @@ def test_trainer_trains_coda_model_under_bf16_autocast(tmp_path) -> None:
     hf_run = train(hf_llama(), str(tmp_path / "hf"), steps=2, bf16=True)
     coda_run = train(coda.models.from_hf(hf_llama()), str(tmp_path / "coda"), steps=2, bf16=True)
     assert len(losses(coda_run)) == 2 and losses(coda_run) == pytest.approx(losses(hf_run), rel=2**-8)
+
+
+def test_trainer_label_smoothing_as_hf(tmp_path) -> None:
+    """label_smoothing_factor: Trainer takes the labels, calls the model without them and smooths
+    the loss over the returned logits, shifted because the class name is a causal LM's."""
+    hf_run = train(hf_llama(), str(tmp_path / "hf"), steps=2, label_smoothing_factor=0.1)
+    coda_run = train(coda.models.from_hf(hf_llama()), str(tmp_path / "coda"), steps=2, label_smoothing_factor=0.1)
+    assert len(losses(coda_run)) == 2 and losses(coda_run) == pytest.approx(losses(hf_run), rel=1e-5)
 
 
 def test_trainer_trains_packed_documents_as_hf(tmp_path) -> None:

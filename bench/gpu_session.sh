@@ -23,7 +23,8 @@
 #   attention     attention over packed documents and sliding windows: SDPA with a mask, flash attention over
 #                 each document, FlexAttention, against SDPA's causal kernel (attention.py), ~3 min
 #   attention_in_step  cuDNN's attention backward inside coda's training step: q/k/v as coda hands them over
-#                 against contiguous copies (attention_in_step.py; ATTENTION_IN_STEP_ARGS, e.g. "--model qwen3-1.7b"), ~2 min
+#                 against contiguous copies, SDPA's flash kernel and flash's variable-length one (attention_in_step.py;
+#                 ATTENTION_IN_STEP_ARGS, e.g. "--model qwen3-1.7b"), ~3 min
 #   rowwise       the row-pass kernels against torch.add's bandwidth (rowwise_bandwidth.py), ~1 min
 #   step_gaps     a training step's time against its kernels' and the host's, the syncs, a host profile
 #                 (step_gaps.py; STEP_GAPS_ARGS, e.g. "--models gemma3-1b,llama3.2-1b --packed no"), ~1 min a row

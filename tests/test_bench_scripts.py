@@ -449,7 +449,8 @@ def test_attention_layout_table_compares_each_layout_with_codas() -> None:
 
 def test_attention_in_step_variants_compute_codas_attention() -> None:
     """bench/tools/attention_in_step.py swaps coda's attention call for copies of q, k and v (and a
-    head-major output gradient): each variant must train the same model, loss and gradients equal."""
+    head-major output gradient), SDPA's flash kernel and flash's variable-length one (on a GPU): each
+    variant must train the same model, loss and gradients equal."""
     transformers = pytest.importorskip("transformers")
     import attention_in_step
 
@@ -462,14 +463,14 @@ def test_attention_in_step_variants_compute_codas_attention() -> None:
     ids = torch.randint(0, 64, (2, 8), device=DEVICE)
     results = {}
     try:
-        for name, attend in attention_in_step.VARIANTS.items():
+        for name, attend in attention_in_step.variants(DEVICE).items():
             llama.attend = attend
             model.zero_grad()
             loss = model(ids, labels=ids).loss
             loss.backward()
             results[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
     finally:
-        llama.attend = attention_in_step.VARIANTS["as_is"]
+        llama.attend = attention_in_step.variants(DEVICE)["as_is"]
     loss, grads = results.pop("as_is")
     for name, (other, other_grads) in results.items():
         assert torch.allclose(other, loss, rtol=1e-6, atol=0), name

@@ -3,8 +3,9 @@ Llama-3.2-1B's shape its backward kernel took 16.7 ms a step in coda's model aga
 Liger's (the same kernel; train.json at 5f0d0df, H200), while attention_layout.py found 2-3% between
 the layouts in isolation. This trains coda's model with its attention call swapped in turn: q, k, v as
 coda hands them over (views of the fused QKV), copied contiguous [B, H, S, hd] first, and the latter
-with the output gradient made contiguous head-major too; each variant twice, alternating, in one
-process. Step ms (median of 10, CUDA events) and one profiled step's top kernels per run.
+with the output gradient made contiguous head-major too; SDPA held to its flash kernel; and flash's
+variable-length kernel with one sequence a row (coda's packed-documents call); each variant twice,
+alternating, in one process. Step ms (median of 10, CUDA events) and one profiled step's top kernels per run.
 
     python bench/tools/attention_in_step.py --out DIR [--model llama3.2-1b]
 """
@@ -23,8 +24,11 @@ import coda  # noqa: F401  (before anything imports Triton)
 import torch
 import torch.nn.functional as F
 
+import coda.models.attention as attention
 import coda.models.llama as llama
+import coda.models.masks as masks
 import train
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class _HeadMajorGrad(torch.autograd.Function):
@@ -50,8 +54,29 @@ def _contiguous(head_major_grad: bool):
     return attend
 
 
-VARIANTS = {"as_is": llama.attend, "contiguous_qkv": _contiguous(False),
-            "contiguous_qkv_head_major_grad": _contiguous(True)}
+def _flash_backend(q, k, v, batch, seq, mask, scale, softcap=None, keyless="zeros"):
+    """coda's call with SDPA held to its flash kernel (FlashAttention-2), not the one it picks
+    (cuDNN's on Hopper): on coda's layout flash's backward may fare otherwise."""
+    assert mask is None and softcap is None, "the causal path only"
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH):  # (the CPU test: MATH)
+        return attention.attend(q, k, v, batch, seq, mask, scale)
+
+
+def _varlen_rows(q, k, v, batch, seq, mask, scale, softcap=None, keyless="zeros"):
+    """Flash's variable-length kernel with each row one sequence, as coda runs packed documents: it
+    reads [T, H, hd] as coda hands it over, with no [B, H, S, hd] view."""
+    assert mask is None and softcap is None, "the causal path only"
+    starts = torch.arange(0, (batch + 1) * seq, seq, device=q.device, dtype=torch.int32)
+    return attention.attend(q, k, v, batch, seq, masks.AttentionMask(starts=starts, longest=seq), scale)
+
+
+def variants(device: torch.device) -> dict:
+    """The attention calls compared, by name; the variable-length one only where flash runs it."""
+    out = {"as_is": attention.attend, "contiguous_qkv": _contiguous(False),
+           "contiguous_qkv_head_major_grad": _contiguous(True), "flash_backend": _flash_backend}
+    if attention.varlen_applies(device, torch.bfloat16, 64):
+        out["varlen_rows"] = _varlen_rows
+    return out
 
 
 def main() -> None:
@@ -70,7 +95,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
 
     runs = {}
-    for name, attend in list(VARIANTS.items()) * 2:
+    for name, attend in list(variants(torch.device("cuda")).items()) * 2:
         llama.attend = attend
         for i in range(3):
             step(i)

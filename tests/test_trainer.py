@@ -83,6 +83,7 @@ def test_trainer_trains_coda_model_as_the_hf_one(tmp_path) -> None:
         assert rel(trained[name], p) < 1e-4, name
 
 
+@pytest.mark.slow
 def test_trainer_trains_coda_model_under_bf16_autocast(tmp_path) -> None:
     """bf16=True: Trainer runs the forward under autocast and accelerate rebuilds the output as
     type(out)({...}) to convert it to fp32; the losses are the HF model's within bf16's rounding (2^-8)."""
@@ -91,6 +92,7 @@ def test_trainer_trains_coda_model_under_bf16_autocast(tmp_path) -> None:
     assert len(losses(coda_run)) == 2 and losses(coda_run) == pytest.approx(losses(hf_run), rel=2**-8)
 
 
+@pytest.mark.slow
 def test_trainer_label_smoothing_as_hf(tmp_path) -> None:
     """label_smoothing_factor: Trainer takes the labels, calls the model without them and smooths
     the loss over the returned logits, shifted because the class name is a causal LM's."""

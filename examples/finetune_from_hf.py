@@ -7,8 +7,8 @@ training, the coda model's loss is checked against transformers' on the same bat
 training, the weights go back into the transformers model (`to_hf_state_dict`), which then computes
 the coda model's loss. `--loop trainer` trains with transformers' `Trainer` in place of the plain
 PyTorch loop: it takes coda's model as it takes transformers' own (labels, gradient accumulation,
-checkpointing); its checkpoints hold coda's layouts, so `--save DIR` writes the transformers model
-with the trained weights (`save_pretrained`), which `from_pretrained` loads.
+checkpointing); its checkpoints hold coda's layouts. `--save DIR` writes the trained model as a
+transformers checkpoint (`model.save_pretrained`), which `from_pretrained` loads.
 
     python examples/finetune_from_hf.py                                  # Qwen3, tiny, padded: the CPU
     python examples/finetune_from_hf.py --family gemma3_text --batching pack
@@ -137,7 +137,7 @@ def main() -> None:
         ours = model(b.pop("input_ids"), **b).loss.item()
     print(f"after training, transformers with the trained weights: loss {theirs:.4f} (coda {ours:.4f})")
     if args.save:
-        hf.save_pretrained(args.save)
+        model.save_pretrained(args.save)  # a transformers checkpoint: from_pretrained loads it
         print(f"saved the transformers model to {args.save}")
 
 

@@ -325,6 +325,32 @@ def test_from_hf_state_dict_round_trip_is_exact(model_type: str) -> None:
     assert all(torch.equal(sd[k], ref[k]) for k in ref)
 
 
+@pytest.mark.parametrize("model_type", quick_or_slow(FROM_HF_CASES))
+def test_save_pretrained_is_loaded_by_transformers(model_type: str, tmp_path) -> None:
+    """coda's model saved as a transformers checkpoint (the config from_hf read, HF's names and
+    layouts) loads with from_pretrained as the same model class, every weight equal, ties kept."""
+    hf = hf_model(model_type, **FROM_HF_CASES[model_type]).to(torch.bfloat16)
+    model = coda.models.from_hf(hf)
+    with torch.no_grad():
+        model.norm.add_(1.0)  # a trained weight: the checkpoint must hold coda's, not the original's
+    model.save_pretrained(tmp_path)
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(back) is type(hf) and not any(info.values()), info
+    assert back.dtype == torch.bfloat16
+    sd, ref = back.state_dict(), model.to_hf_state_dict()
+    assert list(sd) == list(ref) and all(torch.equal(sd[k].cpu(), ref[k].cpu()) for k in ref)
+    tied = back.lm_head.weight is back.model.embed_tokens.weight
+    assert tied == hf.config.tie_word_embeddings
+
+
+def test_save_pretrained_needs_the_transformers_config() -> None:
+    model = coda.models.LlamaForCausalLM(coda.models.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    with pytest.raises(ValueError, match="needs the transformers config that coda.models.from_hf keeps"):
+        model.save_pretrained("unused")
+
+
 @pytest.mark.parametrize("model_type", quick_or_slow(PATCH_CASES))
 def test_patch_matches_hf_in_fp32(model_type: str) -> None:
     hf = hf_model(model_type, **PATCH_CASES[model_type])

@@ -16,7 +16,9 @@ forward reads them, one LlamaLayer per segment (what FSDP2's per-layer sharding 
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -468,6 +470,7 @@ class LlamaForCausalLM(TrainerInterface, nn.Module):
                  **factory: object) -> None:
         super().__init__()
         self.config, self.checkpoint = config, checkpoint
+        self.hf_config = None  # transformers' config, kept by from_hf for save_pretrained
         c, n = config, config.num_hidden_layers
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **factory))
         # layer 0's input norm (OLMo 2 has none)
@@ -527,6 +530,7 @@ class LlamaForCausalLM(TrainerInterface, nn.Module):
             model = cls(config, checkpoint=checkpoint, dtype=ref.dtype)
         model.to_empty(device=ref.device)
         model.load_hf_state_dict(sd)
+        model.hf_config = copy.deepcopy(hf_model.config)
         return model
 
     def _layer_norms(self, i: int) -> dict[str, nn.Parameter]:
@@ -589,6 +593,25 @@ class LlamaForCausalLM(TrainerInterface, nn.Module):
         if unused:
             raise ValueError(f"coda.models.from_hf: weights this model would not use: {', '.join(unused[:8])}"
                              + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs: object) -> None:
+        """The model as a transformers checkpoint that `AutoModelForCausalLM.from_pretrained` loads:
+        the config from_hf read and the weights as to_hf_state_dict gives them, written by transformers'
+        own save_pretrained (`kwargs` go to it). Under FSDP2 call it on every rank (the weights are
+        gathered), with is_main_process=(rank == 0)."""
+        if self.hf_config is None:
+            raise ValueError("save_pretrained needs the transformers config that coda.models.from_hf keeps: this "
+                             "model was built from a coda LlamaConfig; load to_hf_state_dict() into a transformers "
+                             "model of the family and save that")
+        import transformers  # (an optional dependency: the models from_hf converts are its)
+
+        sd = self.to_hf_state_dict()
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(self.hf_config)
+        hf.load_state_dict(sd, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            hf.tie_weights()  # (assign=True gave the head a tensor of its own)
+        hf.save_pretrained(path, **kwargs)
 
     def to_hf_state_dict(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
         """transformers' names and layouts (new contiguous tensors; the exact inverse of from_hf).

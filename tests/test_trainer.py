@@ -1,7 +1,8 @@
 """transformers' Trainer on coda's own model and on a patched model (tiny Llama, fp32): the logged
 losses, the eval loss and the trained weights are the HF model's under the same Trainer, with gradient
 accumulation over padded batches (Trainer's num_items_in_batch), activation checkpointing, packed
-documents (DataCollatorWithFlattening), and a run resumed from a saved checkpoint."""
+documents (DataCollatorWithFlattening), bf16 autocast, label smoothing, and a run resumed from a saved
+checkpoint. What Trainer reads of coda's model: coda/models/hf_interface.py."""
 
 from __future__ import annotations
 
@@ -53,11 +54,11 @@ def dataset(n: int = 8) -> list[dict[str, torch.Tensor]]:
 
 def train(model: torch.nn.Module, out: str, *, steps: int = 4, resume: str | None = None,
           save_steps: int | None = None, **extra: object) -> transformers.Trainer:
-    args = transformers.TrainingArguments(**extra,
+    args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
         learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, use_cpu=DEVICE.type == "cpu",
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, disable_tqdm=True,
-        **{CHECKPOINTING: True})
+        **{CHECKPOINTING: True}, **extra)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset(16), eval_dataset=dataset(4))
     trainer.train(resume_from_checkpoint=resume)
     return trainer

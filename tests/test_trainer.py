@@ -29,9 +29,9 @@ CHECKPOINTING = next(name for name in ("activation_checkpointing", "gradient_che
                      if name in inspect.signature(transformers.TrainingArguments).parameters)
 
 
-def hf_llama() -> torch.nn.Module:
+def hf_llama(**kw: object) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).float()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, **kw)).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -171,9 +171,7 @@ def test_coda_model_takes_the_loss_arguments_as_keywords_only() -> None:
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_is_transformers(tied: bool) -> None:
     """Trainer's FLOPs estimate (total_flos) reads num_parameters(exclude_embeddings=True)."""
-    ref = hf_llama()
-    if tied:
-        ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, tie_word_embeddings=True))
+    ref = hf_llama(tie_word_embeddings=tied)
     model = coda.models.from_hf(ref)
     for kw in (dict(), dict(exclude_embeddings=True), dict(only_trainable=True)):
         assert model.num_parameters(**kw) == ref.num_parameters(**kw), kw
